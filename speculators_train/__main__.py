@@ -1,0 +1,4 @@
+from speculators_train.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""`speculators-train <command> <recipe>` (also `python -m speculators_train`, under accelerate/torchrun)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from speculators_train.data.conversations import SkipReport
+from speculators_train.errors import UserError
+from speculators_train.recipe import Recipe, load_recipe
+
+console = Console(stderr=True)
+
+
+def _overrides(pairs: list[str]) -> dict[str, object]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set data.max_length=512")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def _recipe(args: argparse.Namespace) -> Recipe:
+    return load_recipe(args.recipe, _overrides(args.set))
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    """Read the recipe's data mix and report counts and skips, without touching the target."""
+    from speculators_train.hidden_states.generator import load_splits
+
+    splits = load_splits(_recipe(args))
+    counts = {"train": len(splits.train), "held_out": len(splits.held_out), "skipped": splits.report.counts}
+    print(json.dumps(counts))
+    for line in splits.report.lines():
+        console.print(line, markup=False, highlight=False)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from speculators_train.hidden_states.generator import generate
+
+    recipe = _recipe(args)
+    manifest = generate(recipe)
+    if manifest:
+        _report_generation(recipe, manifest)
+    return 0
+
+
+def _report_generation(recipe: Recipe, manifest: dict) -> None:
+    table = Table(title=f"hidden states in {recipe.hidden_states_dir}")
+    for column in ("split", "records", "samples", "tokens", "loss tokens", "shards"):
+        table.add_column(column, justify="right")
+    for split, info in manifest["splits"].items():
+        table.add_row(
+            split,
+            str(info["records"]),
+            str(info["samples"]),
+            str(info["tokens"]),
+            str(info["loss_tokens"]),
+            str(sum(1 for s in info["shards"] if s["num_samples"])),
+        )
+    console.print(table)
+    for line in SkipReport.from_dict(manifest["skips"]).lines():
+        console.print(line, markup=False, highlight=False)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from speculators_train.hidden_states.shards import validate
+
+    path = Path(args.recipe)
+    directory = path if path.is_dir() else _recipe(args).hidden_states_dir
+    problems = validate(directory)
+    for problem in problems:
+        console.print(f"[red]invalid[/red]: {problem}", highlight=False)
+    if not problems:
+        console.print(f"{directory}: every shard matches the manifest")
+    return 1 if problems else 0
+
+
+COMMANDS = {
+    "data": (cmd_data, "read the data mix and report record counts and skips"),
+    "generate": (cmd_generate, "run the target over the data and store its hidden states (resumable)"),
+    "validate": (cmd_validate, "check every hidden-state shard against the manifest (recipe or directory)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="speculators-train", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (func, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("recipe", help="recipe YAML (e.g. recipes/eagle3.yaml)")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
+        p.set_defaults(func=func)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(message)s",
+        handlers=[RichHandler(console=console, show_path=False)],
+    )
+    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        code = args.func(args)
+    except UserError as exc:
+        if args.verbose:
+            raise
+        console.print(f"[bold red]error:[/bold red] {exc}", highlight=False, markup=True)
+        code = 2
+    except KeyboardInterrupt:
+        console.print("interrupted: rerun the same command to resume")
+        code = 130
+    sys.exit(code)

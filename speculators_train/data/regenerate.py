@@ -1,0 +1,50 @@
+"""Replace assistant turns with the target's own responses.
+
+A draft learns to predict the *target*, so training on the target's outputs rather than the dataset's
+(written by another model) raises acceptance. Turns are regenerated in order, each one conditioned on
+the already-regenerated earlier turns, batched across conversations.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speculators_train.data.conversations import Conversation
+from speculators_train.recipe import RegenerateConfig
+
+
+@torch.inference_mode()
+def regenerate(
+    conversations: list[Conversation], model, tokenizer, cfg: RegenerateConfig, max_length: int, seed: int
+) -> list[Conversation]:
+    """Same conversations with every assistant turn produced by the target (seeded, so reruns match)."""
+    generator_seed = torch.Generator().manual_seed(seed)
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator_seed)))
+    messages = [list(c.messages) for c in conversations]
+    device = next(model.parameters()).device
+    for turn in range(max((len(m) for m in messages), default=0)):
+        todo = [i for i, m in enumerate(messages) if turn < len(m) and m[turn]["role"] == "assistant"]
+        for start in range(0, len(todo), cfg.batch_size):
+            batch = todo[start : start + cfg.batch_size]
+            prompts = [
+                tokenizer.apply_chat_template(messages[i][:turn], tokenize=False, add_generation_prompt=True)
+                for i in batch
+            ]
+            enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+            too_long = enc["attention_mask"].sum(1) >= max_length
+            out = model.generate(
+                **enc.to(device),
+                max_new_tokens=cfg.max_new_tokens,
+                do_sample=cfg.temperature > 0,
+                temperature=cfg.temperature if cfg.temperature > 0 else None,
+                top_p=cfg.top_p if cfg.temperature > 0 else None,
+                top_k=None,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            for i, text, cut in zip(batch, texts, too_long.tolist(), strict=True):
+                # Past max_length the rest is truncated away anyway: stop the conversation here.
+                reply = [] if cut else [{"role": "assistant", "content": text.strip()}]
+                messages[i] = [*messages[i][:turn], *reply, *(messages[i][turn + 1 :] if reply else [])]
+    # A conversation cut before its first assistant turn is counted as a skip when rendered.
+    return [Conversation(c.id, tuple(m), c.origin) for c, m in zip(conversations, messages, strict=True)]

@@ -1,0 +1,288 @@
+"""Run the target over the data and keep its hidden states: offline (resumable shards) or online (in memory).
+
+Work is split deterministically: rank r of W takes records r, r+W, r+2W, ... of each split, and its
+k-th shard holds its records [k*S, (k+1)*S). A shard is listed in the rank's progress file only after
+it is fully on disk, so a killed run resumes at the first unlisted shard: nothing lost, nothing twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save
+from tqdm import tqdm
+
+from speculators_train.data.conversations import Conversation, SkipReport
+from speculators_train.data.mix import Splits, load_mix
+from speculators_train.data.regenerate import regenerate
+from speculators_train.data.render import Sample, render
+from speculators_train.errors import UserError
+from speculators_train.files import atomic_write_bytes, atomic_write_json, remove_stale_temporaries
+from speculators_train.hidden_states.shards import (
+    FORMAT,
+    MANIFEST,
+    SPLITS,
+    TOKEN_FREQ,
+    VERSION,
+    read_manifest,
+    shard_name,
+    write_shard,
+)
+from speculators_train.recipe import Recipe
+from speculators_train.target import DTYPES, Target, load_target
+
+log = logging.getLogger(__name__)
+
+
+def load_splits(recipe: Recipe) -> Splits:
+    mix_path = recipe.resolve_path(recipe.data.mix, "data.mix")
+    return load_mix(mix_path, recipe.data.held_out_fraction)
+
+
+def data_fingerprint(splits: Splits) -> str:
+    digest = hashlib.sha256()
+    for split in SPLITS:
+        for conv in getattr(splits, split):
+            digest.update(json.dumps([split, conv.id, conv.messages]).encode())
+    return digest.hexdigest()[:16]
+
+
+def generation_identity(recipe: Recipe, target: Target, splits: Splits, world_size: int) -> dict[str, Any]:
+    """Everything that must match for a rerun to continue the same output instead of mixing two."""
+    return {
+        **target.identity(),
+        "aux_layer_ids": target.aux_layer_ids,
+        "final_state": "pre_norm",
+        "storage_dtype": recipe.generation.storage_dtype,
+        "max_length": recipe.data.max_length,
+        "overlong": recipe.data.overlong,
+        "regenerate": recipe.data.regenerate.model_dump(),
+        "data_fingerprint": data_fingerprint(splits),
+        "samples_per_shard": recipe.generation.samples_per_shard,
+        "world_size": world_size,
+    }
+
+
+def check_identity(path: Path, stored: dict[str, Any], current: dict[str, Any]) -> None:
+    diffs = [
+        f"{key}: {stored.get(key)!r} there, {current.get(key)!r} now"
+        for key in sorted(set(stored) | set(current))
+        if stored.get(key) != current.get(key)
+    ]
+    if diffs:
+        raise UserError(
+            f"{path} holds hidden states made with different settings; refusing to mix them:\n  "
+            + "\n  ".join(diffs)
+            + "\nUse another output_dir, or delete that directory to start over."
+        )
+
+
+def _batches(samples: list[Sample], max_tokens: int) -> Iterator[list[int]]:
+    """Indices grouped longest-first so each padded batch stays under `max_tokens` with little padding."""
+    order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
+    batch: list[int] = []
+    for i in order:
+        longest = len(samples[batch[0]].input_ids) if batch else len(samples[i].input_ids)
+        if batch and longest * (len(batch) + 1) > max_tokens:
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+def capture(target: Target, samples: list[Sample], max_tokens: int, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Hidden states for each sample (original order), unpadded, on CPU in the storage dtype."""
+    out: list[dict[str, Any] | None] = [None] * len(samples)
+    for batch in _batches(samples, max_tokens):
+        lengths = [len(samples[i].input_ids) for i in batch]
+        ids = torch.zeros(len(batch), max(lengths), dtype=torch.int64)
+        mask = torch.zeros_like(ids)
+        for row, (i, n) in enumerate(zip(batch, lengths, strict=True)):
+            ids[row, :n] = samples[i].input_ids
+            mask[row, :n] = 1
+        attention = mask.to(target.device) if min(lengths) < max(lengths) else None
+        aux, final = target.hidden_states(ids.to(target.device), attention)
+        aux, final = aux.to(dtype).cpu(), final.to(dtype).cpu()
+        for row, (i, n) in enumerate(zip(batch, lengths, strict=True)):
+            out[i] = {
+                "id": samples[i].id,
+                "input_ids": samples[i].input_ids,
+                "loss_mask": samples[i].loss_mask,
+                "aux_hidden_states": aux[row, :n].clone(),
+                "hidden_state": final[row, :n].clone(),
+            }
+    return out
+
+
+@dataclass
+class ChunkResult:
+    samples: list[dict[str, Any]]
+    skips: SkipReport
+
+
+def process_chunk(recipe: Recipe, target: Target, chunk: list[Conversation], seed: int) -> ChunkResult:
+    """Conversations -> (optionally regenerated) -> rendered -> hidden states. Shared by offline and online."""
+    skips = SkipReport()
+    data = recipe.data
+    if data.regenerate.enabled:
+        chunk = regenerate(chunk, target.model, target.tokenizer, data.regenerate, data.max_length, seed)
+    rendered = [render(c, target.tokenizer, data.max_length, data.overlong, skips) for c in chunk]
+    samples = [s for s in rendered if s is not None]
+    dtype = DTYPES[recipe.generation.storage_dtype]
+    return ChunkResult(capture(target, samples, recipe.generation.max_tokens_per_batch, dtype), skips)
+
+
+def _chunks(records: list[Conversation], size: int) -> list[list[Conversation]]:
+    return [records[k : k + size] for k in range(0, len(records), size)]
+
+
+def _chunk_seed(recipe: Recipe, split: str, rank: int, index: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{recipe.seed}:{split}:{rank}:{index}".encode()).digest()[:4], "big")
+
+
+def iter_online(recipe: Recipe, target: Target, split: str = "train", rank: int = 0, world_size: int = 1):
+    """The same samples an offline run would store for this rank and split, produced in memory."""
+    splits = load_splits(recipe)
+    records = getattr(splits, split)[rank::world_size]
+    for k, chunk in enumerate(_chunks(records, recipe.generation.samples_per_shard)):
+        yield from process_chunk(recipe, target, chunk, _chunk_seed(recipe, split, rank, k)).samples
+
+
+class Progress:
+    """One rank's record of finished shards, rewritten atomically after each shard lands on disk."""
+
+    def __init__(self, path: Path, identity: dict[str, Any]) -> None:
+        self.path = path
+        if path.is_file():
+            state = json.loads(path.read_text())
+            check_identity(path, state["identity"], identity)
+            self.state = state
+        else:
+            self.state = {"identity": identity, "shards": {s: [] for s in SPLITS}}
+
+    def done(self, split: str) -> int:
+        return len(self.state["shards"][split])
+
+    def add(self, split: str, entry: dict[str, Any]) -> None:
+        self.state["shards"][split].append(entry)
+        atomic_write_json(self.path, self.state)
+
+
+def generate(recipe: Recipe) -> dict[str, Any]:
+    """Offline generation for this process's rank; rank 0 writes the manifest once every rank is done."""
+    from accelerate import PartialState
+
+    if recipe.generation.hidden_states == "online":
+        raise UserError(
+            f"{recipe.source_path}: generation.hidden_states is 'online': states are captured in memory during "
+            "`train`, nothing is written; set it to 'offline' to write shards"
+        )
+    state = PartialState()
+    rank, world = state.process_index, state.num_processes
+    out_dir = recipe.hidden_states_dir
+    splits = load_splits(recipe)
+    target = load_target(recipe.target)
+    identity = generation_identity(recipe, target, splits, world)
+    if (out_dir / MANIFEST).is_file():
+        manifest = read_manifest(out_dir)
+        check_identity(out_dir / MANIFEST, manifest["identity"], identity)
+        if manifest.get("complete"):
+            log.info("%s is already complete; nothing to do", out_dir)
+            return manifest
+    if state.is_main_process:
+        removed = remove_stale_temporaries(out_dir)
+        if removed:
+            log.info("removed %d partial files left by an interrupted run", removed)
+    state.wait_for_everyone()
+    progress = Progress(out_dir / "progress" / f"rank{rank:03d}.json", identity)
+    _run_rank(recipe, target, splits, progress, rank, world, state.is_local_main_process)
+    state.wait_for_everyone()
+    manifest = _finalize(out_dir, identity, splits, world) if state.is_main_process else {}
+    state.wait_for_everyone()
+    return manifest
+
+
+def _run_rank(
+    recipe: Recipe, target: Target, splits: Splits, progress: Progress, rank: int, world: int, show: bool
+) -> None:
+    size = recipe.generation.samples_per_shard
+    work = {split: _chunks(getattr(splits, split)[rank::world], size) for split in SPLITS}
+    total = sum(len(c) for chunks in work.values() for c in chunks)
+    done = sum(len(c) for split, chunks in work.items() for c in chunks[: progress.done(split)])
+    bar = tqdm(total=total, initial=done, unit="rec", desc=f"generate[rank {rank}]", disable=not show)
+    tokens, start = 0, time.perf_counter()
+    # One background writer: serialising + hashing + fsync of shard k overlaps the forward of shard k+1.
+    with ThreadPoolExecutor(max_workers=1) as writer:
+        pending: Future | None = None
+        for split, chunks in work.items():
+            folder = recipe.hidden_states_dir / split
+            for k in range(progress.done(split), len(chunks)):
+                result = process_chunk(recipe, target, chunks[k], _chunk_seed(recipe, split, rank, k))
+                if pending is not None:
+                    pending.result()
+                pending = writer.submit(_store, progress, split, folder / shard_name(rank, k), result)
+                tokens += sum(len(s["input_ids"]) for s in result.samples)
+                bar.update(len(chunks[k]))
+                bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
+        if pending is not None:
+            pending.result()
+    bar.close()
+
+
+def _store(progress: Progress, split: str, path: Path, result: ChunkResult) -> None:
+    if result.samples:
+        entry = write_shard(path, result.samples)
+    else:
+        entry = {"file": None, "num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0}
+    entry["skips"] = result.skips.to_dict()
+    progress.add(split, entry)
+
+
+def _finalize(out_dir: Path, identity: dict[str, Any], splits: Splits, world: int) -> dict[str, Any]:
+    """Merge the ranks' progress into manifest.json and count loss-masked token frequencies."""
+    from safetensors import safe_open
+
+    skips = SkipReport()
+    skips.merge(splits.report)
+    manifest_splits = {}
+    freq = torch.zeros(identity["vocab_size"], dtype=torch.int64)
+    for split in SPLITS:
+        shards = []
+        for rank in range(world):
+            state = json.loads((out_dir / "progress" / f"rank{rank:03d}.json").read_text())
+            for entry in state["shards"][split]:
+                skips.merge(SkipReport.from_dict(entry.pop("skips")))
+                shards.append(entry)
+                if split == "train" and entry["num_samples"]:
+                    with safe_open(out_dir / split / entry["file"], framework="pt") as fh:
+                        ids, mask = fh.get_tensor("input_ids"), fh.get_tensor("loss_mask")
+                    freq += torch.bincount(ids[mask], minlength=len(freq))
+        manifest_splits[split] = {
+            "records": len(getattr(splits, split)),
+            "samples": sum(e["num_samples"] for e in shards),
+            "tokens": sum(e["num_tokens"] for e in shards),
+            "loss_tokens": sum(e["num_loss_tokens"] for e in shards),
+            "shards": shards,
+        }
+    atomic_write_bytes(out_dir / TOKEN_FREQ, save({"token_freq": freq}))
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "complete": True,
+        "identity": identity,
+        "splits": manifest_splits,
+        "skips": skips.to_dict(),
+        "token_freq": TOKEN_FREQ,
+    }
+    atomic_write_json(out_dir / MANIFEST, manifest)
+    return manifest

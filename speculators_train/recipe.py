@@ -1,0 +1,216 @@
+"""The recipe: one validated YAML file that drives every stage (generate, train, export, verify).
+
+Each setting lives in exactly one place. Unknown keys and wrong types fail with the file and the
+dotted key, e.g. ``recipes/eagle3.yaml: training.lerning_rate: unknown key (did you mean learning_rate?)``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from speculators_train.errors import UserError
+
+DTypeName = Literal["float32", "bfloat16", "float16"]
+M = TypeVar("M", bound="Section")
+
+
+class Section(BaseModel):
+    """Base for every recipe section: unknown keys are errors, never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Where the YAML came from, for error messages and relative paths; not a key of the file.
+    _source_path: Path | None = PrivateAttr(None)
+
+    @property
+    def source_path(self) -> Path | None:
+        return self._source_path
+
+    def resolve_path(self, value: str, key: str) -> Path:
+        """A path from this file: `pkg:PACKAGE/rel` (a file shipped in a Python package), absolute or
+        cwd-relative, else relative to the file's folder or its parent (recipes/ and data/ sit side by side)."""
+        if value.startswith("pkg:"):
+            package, _, rel = value[4:].partition("/")
+            spec = importlib.util.find_spec(package)
+            if spec is None or not spec.submodule_search_locations:
+                raise UserError(f"{self.source_path}: {key}: package {package!r} is not installed")
+            candidates = [Path(next(iter(spec.submodule_search_locations))) / rel]
+        else:
+            path = Path(value).expanduser()
+            candidates = [path]
+            if not path.is_absolute() and self.source_path is not None:
+                candidates += [self.source_path.parent / path, self.source_path.parent.parent / path]
+        for candidate in candidates:
+            if candidate.exists():
+                return candidate
+        tried = ", ".join(str(c) for c in candidates)
+        raise UserError(f"{self.source_path}: {key}: file {value!r} not found (tried {tried})")
+
+
+class TargetConfig(Section):
+    name_or_path: str = Field(
+        "smollm2-135m-instruct",
+        description="Named default, hub id, local HF directory, or a .gguf file.",
+    )
+    gguf_file: str | None = Field(None, description="GGUF file name inside a directory or hub repo.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    device: str = Field("auto", description="'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="'auto' is bfloat16 on CUDA and float32 on CPU."
+    )
+    aux_layer_ids: list[int] | None = Field(
+        None,
+        description="Residual-stream ids to capture (id k = after k decoder layers = HF hidden_states[k]); "
+        "default [2, N//2, N-3].",
+    )
+    trust_remote_code: bool = False
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+            return value
+        raise ValueError("must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or any(i < 0 for i in value)):
+            raise ValueError("must be a non-empty list of non-negative layer ids")
+        return value
+
+
+class RegenerateConfig(Section):
+    """Replace assistant turns with the target's own responses (drafts trained on them accept more)."""
+
+    enabled: bool = False
+    temperature: float = Field(0.0, ge=0.0, description="0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(512, gt=0)
+    batch_size: int = Field(16, gt=0)
+
+
+class DataConfig(Section):
+    mix: str = Field(description="Path to a data mix YAML (see data/*.yaml).")
+    max_length: int = Field(2048, gt=1, description="Tokens per sample after the chat template.")
+    overlong: Literal["truncate", "drop"] = Field("truncate", description="What to do past max_length.")
+    held_out_fraction: float = Field(
+        0.02, ge=0.0, lt=1.0, description="Share of record ids held out (decided by id hash, never trained on)."
+    )
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+
+
+class GenerationConfig(Section):
+    hidden_states: Literal["offline", "online"] = Field(
+        "offline", description="offline: write shards to disk; online: capture in memory while training."
+    )
+    storage_dtype: DTypeName = Field("bfloat16", description="dtype of stored hidden states.")
+    samples_per_shard: int = Field(256, gt=0, description="Also the unit of resume after a crash.")
+    max_tokens_per_batch: int = Field(8192, gt=0, description="Padded tokens per target forward.")
+
+
+class TrainingConfig(Section):
+    algorithm: Literal["eagle3"] = "eagle3"
+    seed: int = 0
+    epochs: int = Field(1, gt=0)
+    learning_rate: float = Field(1e-4, gt=0)
+    batch_size: int = Field(8, gt=0)
+
+
+class ExportConfig(Section):
+    format: Literal["speculators", "sglang"] = "speculators"
+    dtype: DTypeName = "bfloat16"
+
+
+class EvalConfig(Section):
+    suites: list[str] = Field(default_factory=lambda: ["sharegpt-held-out"])
+    num_speculative_tokens: int = Field(5, gt=0)
+
+
+class Recipe(Section):
+    name: str = Field(description="Run name; also the default run directory runs/<name>.")
+    output_dir: str | None = Field(None, description="Run directory; default runs/<name>.")
+    seed: int = Field(0, description="Seed for data order and any sampling.")
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    data: DataConfig
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _name(self) -> Recipe:
+        if not self.name or "/" in self.name:
+            raise ValueError("name must be a non-empty string without '/'")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) if self.output_dir else Path("runs") / self.name
+
+    @property
+    def hidden_states_dir(self) -> Path:
+        return self.run_dir / "hidden_states"
+
+
+def _format_error(path: Path, error: dict[str, Any], model: type[BaseModel]) -> str:
+    loc = [str(part) for part in error["loc"]]
+    key = ".".join(loc) or "<root>"
+    if error["type"] == "extra_forbidden":
+        allowed = _allowed_keys(model, loc[:-1])
+        hint = difflib.get_close_matches(loc[-1], allowed, n=1)
+        suggestion = f" (did you mean {hint[0]}?)" if hint else f" (allowed: {', '.join(sorted(allowed))})"
+        return f"{path}: {key}: unknown key{suggestion}"
+    if error["type"] == "missing":
+        return f"{path}: {key}: required key is missing"
+    return f"{path}: {key}: {error['msg']} (got {error.get('input')!r})"
+
+
+def _allowed_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
+    for part in loc:
+        field = model.model_fields.get(part)
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def load_yaml_model(path: str | Path, model: type[M], what: str, overrides: dict[str, Any] | None = None) -> M:
+    """Load a YAML mapping into `model`; every problem is reported as `file: dotted.key: what is wrong`."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path} not found")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise UserError(f"{path}{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: a {what} must be a YAML mapping, got {type(raw).__name__}")
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"override {dotted}: {part} is not a section")
+        node[leaf] = value
+    try:
+        loaded = model.model_validate(raw)
+    except ValidationError as exc:
+        messages = [_format_error(path, err, model) for err in exc.errors()]
+        raise UserError(f"invalid {what}:\n  " + "\n  ".join(messages)) from None
+    loaded._source_path = path
+    return loaded
+
+
+def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
+    return load_yaml_model(path, Recipe, "recipe", overrides)

