@@ -30,16 +30,28 @@ def assistant_spans(conv: Conversation, tokenizer) -> tuple[str, list[tuple[int,
     messages = list(conv.messages)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []
+    prev_end = 0
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
         through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        if not (text.startswith(before) and text.startswith(through)):
+        if not text.startswith(through):
             raise ValueError("chat template renders a prefix of the conversation differently from the whole")
-        end = len(through.rstrip())
-        if end > len(before):
-            spans.append((len(before), end))
+        if message["role"] == "assistant":
+            end = len(through.rstrip())
+            before = (
+                tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else None
+            )
+            if before is not None and text.startswith(before):
+                start = len(before)
+            else:
+                # The template adds text of its own before this turn (e.g. a default system prompt when
+                # the conversation opens with the assistant): find the content inside this turn instead.
+                content = message["content"].strip()
+                start = text.rfind(content, prev_end, end) if content else end
+                if start < 0:
+                    raise ValueError(f"assistant turn {i} not found in the rendered template")
+            if end > start:
+                spans.append((start, end))
+        prev_end = len(through)
     return text, spans
 
 

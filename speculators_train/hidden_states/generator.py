@@ -25,6 +25,7 @@ from speculators_train.data.conversations import Conversation, SkipReport
 from speculators_train.data.mix import Splits, load_mix
 from speculators_train.data.regenerate import regenerate
 from speculators_train.data.render import Sample, render
+from speculators_train.distributed import process_state
 from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_bytes, atomic_write_json, remove_stale_temporaries
 from speculators_train.hidden_states.shards import (
@@ -180,14 +181,12 @@ class Progress:
 
 def generate(recipe: Recipe) -> dict[str, Any]:
     """Offline generation for this process's rank; rank 0 writes the manifest once every rank is done."""
-    from accelerate import PartialState
-
     if recipe.generation.hidden_states == "online":
         raise UserError(
             f"{recipe.source_path}: generation.hidden_states is 'online': states are captured in memory during "
             "`train`, nothing is written; set it to 'offline' to write shards"
         )
-    state = PartialState()
+    state = process_state()
     rank, world = state.process_index, state.num_processes
     out_dir = recipe.hidden_states_dir
     splits = load_splits(recipe)

@@ -1,0 +1,41 @@
+# speculators_train: `make demo` installs everything and runs the main job; `make test` runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+RECIPE ?= recipes/eagle3.yaml
+
+.PHONY: install demo test test-fast lint bench clean
+
+# Torch: keep whatever torch the environment already has (a GPU user's CUDA build); otherwise take the
+# CPU build torch==2.13.0. Everything else is installed against a constraint pinning that torch, so no
+# dependency can swap it for a multi-GB CUDA download.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -c $(VENV)/torch-constraint.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/speculators-train generate $(RECIPE)
+	$(VENV)/bin/speculators-train validate $(RECIPE)
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: install
+	$(PY) eval/bench_generate.py
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,218 @@
+"""The hidden-state generator end to end on the real target and real ShareGPT records."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from speculators_train.errors import UserError
+from speculators_train.files import atomic_write_bytes
+from speculators_train.hidden_states.generator import generate, iter_online
+from speculators_train.hidden_states.shards import TENSORS, HiddenStateShards, validate
+from speculators_train.recipe import load_recipe
+
+from .conftest import REPO, SHAREGPT, make_recipe
+
+pytestmark = pytest.mark.slow
+CLI = [sys.executable, "-m", "speculators_train"]
+
+
+def shard_tensors(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
+    out = {}
+    for path in sorted(directory.glob("*/shard-*.safetensors")):
+        with safe_open(path, framework="pt") as fh:
+            out[f"{path.parent.name}/{path.name}"] = {k: fh.get_tensor(k) for k in TENSORS} | {
+                "ids": fh.metadata()["sample_ids"]
+            }
+    return out
+
+
+def assert_same_shards(a: Path, b: Path) -> None:
+    ta, tb = shard_tensors(a), shard_tensors(b)
+    assert ta.keys() == tb.keys() and ta
+    for name in ta:
+        assert ta[name]["ids"] == tb[name]["ids"], name
+        for key in TENSORS:
+            torch.testing.assert_close(ta[name][key], tb[name][key], rtol=0, atol=0, msg=f"{name}:{key}")
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory, target):
+    tmp = tmp_path_factory.mktemp("gen")
+    recipe = load_recipe(make_recipe(tmp, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 24}]))
+    manifest = generate(recipe)
+    return recipe, manifest
+
+
+def test_stored_states_equal_an_independent_transformers_forward(generated, target):
+    recipe, manifest = generated
+    h, ids_ = target.hidden_size, manifest["identity"]["aux_layer_ids"]
+    assert ids_ == [2, 15, 27] and manifest["identity"]["final_state"] == "pre_norm"
+    samples = HiddenStateShards(recipe.hidden_states_dir, "train")
+    assert len(samples) == manifest["splits"]["train"]["samples"] > 10
+    for sample in samples:
+        with torch.no_grad():
+            ref = target.model(sample["input_ids"][None], output_hidden_states=True)
+        # Batched (padded) vs single-sample fp32 forward: equal up to float noise relative to the
+        # residual stream's scale; a wrong layer would be off by the scale itself.
+        for j, k in enumerate(ids_):
+            expected = ref.hidden_states[k][0]
+            stored = sample["aux_hidden_states"][:, j * h : (j + 1) * h]
+            torch.testing.assert_close(stored, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+        final = target.final_norm(sample["hidden_state"])
+        torch.testing.assert_close(final, ref.hidden_states[-1][0], rtol=1e-4, atol=1e-4 * float(final.abs().max()))
+
+
+def test_manifest_counts_token_freq_and_validate(generated):
+    recipe, manifest = generated
+    directory = recipe.hidden_states_dir
+    assert validate(directory) == []
+    assert manifest["splits"]["train"]["records"] + manifest["splits"]["held_out"]["records"] == 24
+    assert manifest["splits"]["held_out"]["samples"] > 0
+    with safe_open(directory / "token_freq.safetensors", framework="pt") as fh:
+        freq = fh.get_tensor("token_freq")
+    assert freq.dtype == torch.int64 and freq.shape == (49152,)
+    assert int(freq.sum()) == manifest["splits"]["train"]["loss_tokens"]
+    expected = torch.zeros_like(freq)
+    for sample in HiddenStateShards(directory, "train"):
+        expected += torch.bincount(sample["input_ids"][sample["loss_mask"]], minlength=len(freq))
+    assert torch.equal(freq, expected), "frequencies count train loss-masked tokens only"
+    assert all(len(s["sha256"]) == 64 for s in manifest["splits"]["train"]["shards"] if s["num_samples"])
+
+
+def test_online_mode_yields_the_same_samples(generated, target):
+    recipe, _ = generated
+    stored = {s["id"]: s for s in HiddenStateShards(recipe.hidden_states_dir, "train")}
+    online = list(iter_online(recipe, target, "train"))
+    assert [s["id"] for s in online] == list(stored)
+    for sample in online:
+        for key in TENSORS[:-1]:
+            torch.testing.assert_close(sample[key], stored[sample["id"]][key], rtol=0, atol=0)
+
+
+def test_validate_detects_corruption_and_unlisted_files(generated, tmp_path):
+    import shutil
+
+    recipe, _ = generated
+    copy = tmp_path / "hs"
+    shutil.copytree(recipe.hidden_states_dir, copy)
+    shard = next((copy / "train").glob("shard-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    (copy / "train" / "shard-r000-999999.safetensors").write_bytes(b"x")
+    problems = validate(copy)
+    assert any("checksum mismatch" in p and shard.name in p for p in problems)
+    assert any("not listed in the manifest" in p for p in problems)
+
+
+def test_rerun_of_complete_output_is_a_no_op_and_other_settings_refuse_to_mix(generated):
+    recipe, manifest = generated
+    before = {p: p.stat().st_mtime_ns for p in recipe.hidden_states_dir.rglob("*") if p.is_file()}
+    assert generate(recipe) == manifest
+    assert before == {p: p.stat().st_mtime_ns for p in recipe.hidden_states_dir.rglob("*") if p.is_file()}
+    other = recipe.model_copy(update={"target": recipe.target.model_copy(update={"aux_layer_ids": [1, 2, 3]})})
+    other._source_path = recipe.source_path
+    with pytest.raises(
+        UserError, match=r"refusing to mix them:\n  aux_layer_ids: \[2, 15, 27\] there, \[1, 2, 3\] now"
+    ):
+        generate(other)
+
+
+def test_kill_minus_9_then_rerun_gives_the_same_shards(tmp_path):
+    sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 32}]
+    gen = {"storage_dtype": "float32", "samples_per_shard": 4, "max_tokens_per_batch": 128}
+    killed = make_recipe(tmp_path / "killed", sources, generation=gen)
+    clean = make_recipe(tmp_path / "clean", sources, generation=gen)
+    progress = tmp_path / "killed" / "run" / "hidden_states" / "progress" / "rank000.json"
+    proc = subprocess.Popen([*CLI, "generate", str(killed)], cwd=REPO, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if progress.is_file() and len(json.loads(progress.read_text())["shards"]["train"]) >= 2:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "killed" / "run" / "hidden_states" / "manifest.json").exists(), "run ended before the kill"
+    subprocess.run([*CLI, "generate", str(killed)], cwd=REPO, check=True, capture_output=True)
+    subprocess.run([*CLI, "generate", str(clean)], cwd=REPO, check=True, capture_output=True)
+    killed_dir = tmp_path / "killed" / "run" / "hidden_states"
+    assert_same_shards(killed_dir, tmp_path / "clean" / "run" / "hidden_states")
+    assert validate(killed_dir) == []
+    ids = [i for s in HiddenStateShards(killed_dir, "train") for i in [s["id"]]]
+    assert len(ids) == len(set(ids)), "no record may appear twice"
+
+
+def test_crash_between_shard_write_and_progress_update_is_redone(sharegpt_recipe, target):
+    recipe = load_recipe(sharegpt_recipe)
+    generate(recipe)
+    directory = recipe.hidden_states_dir
+    reference = shard_tensors(directory)
+    # Simulate a crash after shard 2 landed but before it was recorded, with a half-written temp file.
+    progress = directory / "progress" / "rank000.json"
+    state = json.loads(progress.read_text())
+    state["shards"]["train"] = state["shards"]["train"][:2]
+    state["shards"]["held_out"] = []
+    progress.write_text(json.dumps(state))
+    (directory / "manifest.json").unlink()
+    (directory / "train" / ".shard-r000-000003.safetensors.tmp-123").write_bytes(b"half")
+    generate(recipe)
+    assert validate(directory) == []
+    assert not list(directory.rglob("*.tmp-*"))
+    assert shard_tensors(directory).keys() == reference.keys()
+
+
+def test_generate_refuses_online_mode(sharegpt_recipe):
+    recipe = load_recipe(sharegpt_recipe, {"generation.hidden_states": "online"})
+    with pytest.raises(UserError, match=r"generation\.hidden_states is 'online'"):
+        generate(recipe)
+
+
+def test_full_disk_gives_a_clear_error_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    def no_space(_fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("speculators_train.files.os.fsync", no_space)
+    target_file = tmp_path / "shard.safetensors"
+    with pytest.raises(
+        UserError, match=r"disk full while writing .*shard.safetensors.*rerun the same command to resume"
+    ):
+        atomic_write_bytes(target_file, b"x" * 100)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_reports_bad_recipe_without_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ndata: {mix: m.yaml}\ngeneration: {samples_per_shrad: 3}\n")
+    result = subprocess.run([*CLI, "generate", str(bad)], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "generation.samples_per_shrad: unknown key (did you mean samples_per_shard?)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_two_rank_generation_matches_one_rank(generated, tmp_path):
+    recipe, manifest = generated
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    two = make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 24}])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "speculators_train"]
+    result = subprocess.run([*torchrun, "generate", str(two)], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    directory = tmp_path / "run" / "hidden_states"
+    assert validate(directory) == []
+    files = {p.name for p in (directory / "train").glob("*.safetensors")}
+    assert any("-r000-" in f for f in files) and any("-r001-" in f for f in files)
+    one = {s["id"]: s for s in HiddenStateShards(recipe.hidden_states_dir, "train")}
+    both = {s["id"]: s for s in HiddenStateShards(directory, "train")}
+    assert both.keys() == one.keys()
+    for key, sample in both.items():
+        torch.testing.assert_close(sample["aux_hidden_states"], one[key]["aux_hidden_states"], rtol=1e-4, atol=1e-4)
+    two_manifest = json.loads((directory / "manifest.json").read_text())
+    assert two_manifest["splits"]["train"]["loss_tokens"] == manifest["splits"]["train"]["loss_tokens"]

@@ -1,0 +1,106 @@
+"""The assistant-only loss mask, checked on the real SmolLM2 chat template."""
+
+import pytest
+
+from speculators_train.data.conversations import Conversation, SkipReport, normalize_record
+from speculators_train.data.mix import load_mix
+from speculators_train.data.render import render
+from speculators_train.recipe import Section
+
+from .conftest import SHAREGPT
+
+
+def masked_runs(sample, tokenizer) -> list[str]:
+    """Decode each contiguous run of loss-masked tokens."""
+    runs, current = [], []
+    for token, on in zip(sample.input_ids.tolist(), sample.loss_mask.tolist(), strict=True):
+        if on:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    if current:
+        runs.append(tokenizer.decode(current))
+    return runs
+
+
+def expected_runs(conv: Conversation, eot: str) -> list[str]:
+    return [m["content"] + eot for m in conv.messages if m["role"] == "assistant"]
+
+
+def test_mask_covers_exactly_assistant_content_and_end_of_turn_sharegpt(tokenizer, tmp_path):
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(f"sources: [{{name: sg, path: '{SHAREGPT}', max_records: 40}}]\n")
+    convs = load_mix(mix, 0.0).train
+    report = SkipReport()
+    checked = 0
+    for conv in convs:
+        sample = render(conv, tokenizer, 100_000, "truncate", report)
+        if sample is None:
+            continue
+        assert masked_runs(sample, tokenizer) == expected_runs(conv, "<|im_end|>"), conv.origin
+        checked += 1
+    assert checked >= 35
+
+
+def test_mask_excludes_header_system_and_user_ultrachat_style(tokenizer):
+    record = {
+        "prompt_id": "p1",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another?"},
+            {"role": "assistant", "content": "Green, or red."},
+        ],
+    }
+    conv = normalize_record(record, "uc", "uc.jsonl:1", SkipReport())
+    sample = render(conv, tokenizer, 4096, "truncate", SkipReport())
+    assert masked_runs(sample, tokenizer) == ["Blue.<|im_end|>", "Green, or red.<|im_end|>"]
+    header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    ids = sample.input_ids.tolist()
+    starts = [i for i in range(len(ids)) if ids[i : i + len(header)] == header]
+    assert len(starts) == 2
+    for s in starts:
+        assert not sample.loss_mask[s : s + len(header)].any()
+        assert sample.loss_mask[s + len(header)]
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_over_long_samples_are_truncated_or_dropped(tokenizer, overlong):
+    conv = Conversation(
+        "t:1", ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 300}), "x:1"
+    )
+    report = SkipReport()
+    sample = render(conv, tokenizer, 64, overlong, report)
+    if overlong == "truncate":
+        assert len(sample.input_ids) == 64 and sample.loss_mask[-1] and report.total == 0
+    else:
+        assert sample is None and report.counts["overlong"] == 1 and "x:1" in report.examples["overlong"][0]
+
+
+def test_no_assistant_tokens_left_after_truncation_is_a_counted_skip(tokenizer):
+    conv = Conversation(
+        "t:2", ({"role": "user", "content": "long " * 200}, {"role": "assistant", "content": "ok"}), "y:3"
+    )
+    report = SkipReport()
+    assert render(conv, tokenizer, 32, "truncate", report) is None
+    assert report.counts == {"no_assistant_tokens_in_max_length": 1}
+
+
+def test_template_error_is_a_counted_skip(tokenizer):
+    class Strict:
+        def apply_chat_template(self, *args, **kwargs):
+            raise ValueError("Conversation roles must alternate user/assistant")
+
+    report = SkipReport()
+    conv = Conversation("t:3", ({"role": "assistant", "content": "x"},), "z:9")
+    assert render(conv, Strict(), 32, "truncate", report) is None
+    assert report.counts == {"chat_template_error": 1} and "alternate" in report.examples["chat_template_error"][0]
+
+
+def test_resolve_pkg_path_names_missing_package():
+    from speculators_train.errors import UserError
+
+    with pytest.raises(UserError, match="package 'no_such_pkg' is not installed"):
+        Section().resolve_path("pkg:no_such_pkg/x.json", "sources.x.path")
