@@ -168,3 +168,13 @@ def test_duplicate_ids_and_empty_mix(tmp_path):
 def test_mix_source_needs_exactly_one_location(tmp_path):
     with pytest.raises(UserError, match="give exactly one of path or hub"):
         load_mix(write_mix(tmp_path, [{"name": "a", "path": "x.jsonl", "hub": "org/ds"}]), 0.0)
+
+
+def test_local_parquet_file_via_datasets(tmp_path):
+    import datasets
+
+    path = tmp_path / "chat.parquet"
+    datasets.Dataset.from_list(records("p", 5)).to_parquet(str(path))
+    split = load_mix(write_mix(tmp_path, [{"name": "pq", "path": str(path)}]), 0.0)
+    assert sorted(c.id for c in split.train) == [f"pq:p{i}" for i in range(5)]
+    assert split.train[0].origin.startswith(f"{path}[train]#")
