@@ -87,9 +87,35 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from speculators_train.training.trainer import Trainer
+
+    recipe = _recipe(args)
+    trainer = Trainer(recipe)
+    metrics = trainer.train()
+    if trainer.acc.is_main_process:
+        _report_training(recipe, trainer, metrics)
+    return 0
+
+
+def _report_training(recipe: Recipe, trainer, metrics: dict[str, float]) -> None:
+    steps = recipe.eagle3.ttt_steps
+    table = Table(title=f"held-out metrics after step {trainer.state['step']} ({trainer.ckpt_dir})")
+    for column in ("ttt step", "loss", "full_acc", "cond_acc"):
+        table.add_column(column, justify="right")
+    for i in range(steps):
+        table.add_row(str(i), f"{metrics[f'loss_{i}']:.3f}", f"{metrics[f'full_acc_{i}']:.3f}",
+                      f"{metrics[f'cond_acc_{i}']:.3f}")
+    console.print(table)
+    key = next(k for k in metrics if k.startswith("predicted_al_"))
+    console.print(f"predicted acceptance length at {key.rsplit('_', 1)[1]} draft tokens: {metrics[key]:.2f}")
+    print(json.dumps({"step": trainer.state["step"], "tokens": trainer.state["tokens"], **metrics}))
+
+
 COMMANDS = {
     "data": (cmd_data, "read the data mix and report record counts and skips"),
     "generate": (cmd_generate, "run the target over the data and store its hidden states (resumable)"),
+    "train": (cmd_train, "train the draft from the generated hidden states (resumes from the last checkpoint)"),
     "validate": (cmd_validate, "check every hidden-state shard against the manifest (recipe or directory)"),
 }
 

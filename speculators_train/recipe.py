@@ -115,12 +115,44 @@ class GenerationConfig(Section):
     max_tokens_per_batch: int = Field(8192, gt=0, description="Padded tokens per target forward.")
 
 
+class WandbConfig(Section):
+    mode: Literal["offline", "online", "disabled"] = Field("offline", description="offline: sync later.")
+    project: str = "speculators_train"
+    entity: str | None = None
+    run_name: str | None = Field(None, description="Default: the recipe name.")
+
+
+class DeepSpeedConfig(Section):
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    offload_optimizer: bool = False
+
+
 class TrainingConfig(Section):
     algorithm: Literal["eagle3"] = "eagle3"
-    seed: int = 0
     epochs: int = Field(1, gt=0)
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps (a budget).")
     learning_rate: float = Field(1e-4, gt=0)
-    batch_size: int = Field(8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.015, ge=0, lt=1, description="Share of steps spent in linear warmup.")
+    batch_size: int = Field(8, gt=0, description="Samples per micro-batch on each rank.")
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    max_grad_norm: float = Field(0.5, gt=0)
+    gradient_checkpointing: bool = False
+    length_bucketing: bool = Field(True, description="Batch samples of similar length (less padding).")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 on CUDA.")
+    deepspeed: DeepSpeedConfig | None = Field(None, description="Set to use DeepSpeed ZeRO.")
+    save_every_steps: int | None = Field(None, gt=0, description="Also checkpoint at each epoch end.")
+    eval_every_steps: int | None = Field(None, gt=0, description="Also validate at each epoch end.")
+    keep_last: int = Field(2, gt=0, description="Checkpoints kept besides the best.")
+    log_every_steps: int = Field(10, gt=0)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+
+class Eagle3Section(Section):
+    draft_vocab_size: int = Field(8192, gt=0, description="Reduced vocab from the generator's token counts.")
+    ttt_steps: int = Field(7, gt=0, description="Training-time test unroll depth.")
+    step_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of step i is step_decay**i.")
+    norm_before_residual: bool = Field(False, description="SGLang only runs false.")
 
 
 class ExportConfig(Section):
@@ -141,6 +173,7 @@ class Recipe(Section):
     data: DataConfig
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    eagle3: Eagle3Section = Field(default_factory=Eagle3Section)
     export: ExportConfig = Field(default_factory=ExportConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 

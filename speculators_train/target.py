@@ -276,6 +276,36 @@ class Target:
         return self.lm_head(self.final_norm(final))
 
 
+def load_head_weights(cfg: TargetConfig):
+    """The target's config, embedding, final norm and lm_head, read from its safetensors without
+    building the model: a trainer needs these ~2% of an 8B target's weights, not all 16 GB."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    source, _ = resolve_source(cfg)
+    local = Path(source)
+    if not local.is_dir():
+        from huggingface_hub import snapshot_download
+
+        local = Path(snapshot_download(source, revision=cfg.revision, allow_patterns=["*.json", "*.safetensors"]))
+    config = AutoConfig.from_pretrained(local, trust_remote_code=cfg.trust_remote_code)
+    index = local / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    names = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+    out = {}
+    for key, name in names.items():
+        if key == "lm_head" and getattr(config, "tie_word_embeddings", False):
+            out[key] = out["embed"]
+            continue
+        file = local / (weight_map.get(name, "") if weight_map else "model.safetensors")
+        try:
+            with safe_open(file, framework="pt") as fh:
+                out[key] = fh.get_tensor(name).float()
+        except (OSError, KeyError, FileNotFoundError) as exc:
+            raise UserError(f"target {cfg.name_or_path}: tensor {name} not found in {file} ({exc})") from None
+    return config, out
+
+
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 

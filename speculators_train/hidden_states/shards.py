@@ -12,6 +12,7 @@ each begins), so reading one sample is a slice of a memory-mapped file:
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,7 @@ class HiddenStateShards(torch.utils.data.Dataset):
             raise UserError(f"{self.directory}: generation is not complete; rerun generate to finish it")
         self.shards: list[ShardIndex] = []
         self.index: list[tuple[int, int]] = []
+        self.lengths: list[int] = []  # tokens per sample, for length-bucketed batching
         for entry in self.manifest["splits"][split]["shards"]:
             if not entry["num_samples"]:
                 continue
@@ -98,6 +100,7 @@ class HiddenStateShards(torch.utils.data.Dataset):
                 offsets = fh.get_tensor("offsets").tolist()
                 ids = json.loads(fh.metadata()["sample_ids"])
             self.index.extend((len(self.shards), i) for i in range(len(ids)))
+            self.lengths.extend(b - a for a, b in itertools.pairwise(offsets))
             self.shards.append(ShardIndex(path, offsets, ids))
 
     def __len__(self) -> int:

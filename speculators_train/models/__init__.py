@@ -1,0 +1,1 @@
+"""Draft architectures, one module each."""

@@ -1,0 +1,193 @@
+"""EAGLE-3 draft: fused target states + one Llama decoder layer over [embedding ; hidden] (SPEC section 3).
+
+    h0   = fc(concat(aux_low, aux_mid, aux_high))                      [B, T, H]
+    x    = concat(input_layernorm(embed(tok)), hidden_norm(h))         [B, T, 2H]  (embedding first)
+    out  = h + o_proj(attn(q(x), k(x), v(x)))                          residual is the hidden only
+    out  = out + mlp(post_attention_layernorm(out))                    pre-norm output, fed back as next h
+    logits = lm_head(norm(out))                                        over the reduced draft vocab
+
+Training-time test (TTT) unrolls the layer `steps` times: tokens stay teacher-forced, the hidden input
+of step i is step i-1's output. Keys of step 0 are attended causally; keys of steps 1..i only at the
+query's own position (the draft token it produced there). RoPE position of step i is pos + i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    repeat_kv,
+)
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Eagle3Config:
+    """Everything needed to rebuild the draft; saved as JSON beside its weights."""
+
+    layer_config: dict[str, Any]  # a LlamaConfig dict for the single decoder layer (num_hidden_layers: 1)
+    target_hidden_size: int
+    draft_vocab_size: int
+    aux_layer_ids: list[int]
+    norm_before_residual: bool = False
+    target_vocab_size: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        if not self.target_vocab_size:
+            self.target_vocab_size = self.layer_config["vocab_size"]
+
+    @property
+    def llama(self) -> LlamaConfig:
+        return LlamaConfig(**self.layer_config)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def for_target(
+        cls, target_config, aux_layer_ids: list[int], draft_vocab_size: int, norm_before_residual: bool
+    ) -> Eagle3Config:
+        """One decoder layer shaped like the target's (hidden size, heads, MLP width, RoPE)."""
+        layer = LlamaConfig(
+            hidden_size=target_config.hidden_size,
+            intermediate_size=target_config.intermediate_size,
+            num_attention_heads=target_config.num_attention_heads,
+            num_key_value_heads=target_config.num_key_value_heads,
+            head_dim=getattr(target_config, "head_dim", None)
+            or target_config.hidden_size // target_config.num_attention_heads,
+            rms_norm_eps=target_config.rms_norm_eps,
+            max_position_embeddings=target_config.max_position_embeddings,
+            rope_parameters=getattr(target_config, "rope_parameters", None),
+            vocab_size=target_config.vocab_size,
+            hidden_act=target_config.hidden_act,
+            num_hidden_layers=1,
+            tie_word_embeddings=False,
+        ).to_dict()
+        for key in ("transformers_version", "dtype", "torch_dtype", "_name_or_path"):
+            layer.pop(key, None)
+        return cls(layer, target_config.hidden_size, draft_vocab_size, list(aux_layer_ids), norm_before_residual)
+
+
+def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: list[KV], scale: float) -> torch.Tensor:
+    """Attention of step len(past): causal over step-0 keys, plus same-position keys of later steps.
+
+    q: [B, nh, T, d]; k, v: [B, nh, T, d] (already GQA-repeated); past: earlier steps' (k, v).
+    """
+    if not past:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    k0, v0 = past[0]
+    extra_k = [kv[0] for kv in past[1:]] + [k]
+    extra_v = [kv[1] for kv in past[1:]] + [v]
+    t = q.shape[-2]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    scores0 = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, T, T]
+    scores0 = scores0.masked_fill(~causal, float("-inf"))
+    diag = torch.stack([(q * ks).sum(-1) for ks in extra_k], dim=-1) * scale  # [B, nh, T, steps]
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # fp32 at least, never below the input
+    probs = torch.softmax(torch.cat([scores0, diag], dim=-1), dim=-1, dtype=softmax_dtype).to(q.dtype)
+    out = probs[..., :t] @ v0
+    for s, vs in enumerate(extra_v):
+        out = out + probs[..., t + s, None] * vs
+    return out
+
+
+class Eagle3Layer(nn.Module):
+    """The draft's decoder layer: Llama attention/MLP/norms, with q/k/v reading 2H inputs."""
+
+    def __init__(self, config: LlamaConfig, norm_before_residual: bool) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.norm_before_residual = norm_before_residual
+        self.self_attn = LlamaAttention(config, layer_idx=0)
+        attn = self.self_attn
+        bias = config.attention_bias
+        attn.q_proj = nn.Linear(2 * h, config.num_attention_heads * attn.head_dim, bias=bias)
+        attn.k_proj = nn.Linear(2 * h, config.num_key_value_heads * attn.head_dim, bias=bias)
+        attn.v_proj = nn.Linear(2 * h, config.num_key_value_heads * attn.head_dim, bias=bias)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: list[KV]
+    ) -> tuple[torch.Tensor, KV]:
+        attn = self.self_attn
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
+        shape = (*x.shape[:-1], -1, attn.head_dim)
+        q = attn.q_proj(x).view(shape).transpose(1, 2)  # [B, nh, T, d]
+        k = attn.k_proj(x).view(shape).transpose(1, 2)  # [B, nkv, T, d]
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = repeat_kv(k, attn.num_key_value_groups), repeat_kv(v, attn.num_key_value_groups)
+        out = ttt_attention(q, k, v, past, attn.scaling)
+        out = attn.o_proj(out.transpose(1, 2).reshape(*x.shape[:-1], -1)) + residual
+        out = out + self.mlp(self.post_attention_layernorm(out))
+        return out, (k, v)
+
+
+class Eagle3Draft(nn.Module):
+    """Weight names follow the speculators/vLLM layout (`fc`, `layers.0.*`, `norm`, `lm_head`, `d2t`, `t2d`)."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.config = config
+        llama = config.llama
+        h = llama.hidden_size
+        self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, h, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(llama, config.norm_before_residual)])
+        self.norm = LlamaRMSNorm(h, eps=llama.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.embed_tokens = nn.Embedding(config.target_vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        self.rotary_emb = LlamaRotaryEmbedding(llama)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(config.target_vocab_size, dtype=torch.bool))
+        self.gradient_checkpointing = False
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def step(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, past: list[KV]
+    ) -> tuple[torch.Tensor, torch.Tensor, KV]:
+        """One draft step: (pre-norm output to feed back, draft-vocab logits, this step's k/v)."""
+        with torch.no_grad():
+            embeds = self.embed_tokens(tokens).to(hidden.dtype)
+        cos, sin = self.rotary_emb(hidden, positions)
+        layer = self.layers[0]
+        if self.gradient_checkpointing and self.training:
+            out, kv = checkpoint(layer, embeds, hidden, cos, sin, past, use_reentrant=False)
+        else:
+            out, kv = layer(embeds, hidden, cos, sin, past)
+        return out, self.lm_head(self.norm(out)), kv
+
+    def ttt_forward(
+        self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, steps: int
+    ) -> list[torch.Tensor]:
+        """Unrolled training forward. tokens/positions: [B, T] (already shifted, see training.ttt);
+        aux: [B, T, A*H_target]. Returns the logits of each step, [B, T, draft_vocab]."""
+        hidden = self.fc(aux)
+        past: list[KV] = []
+        logits = []
+        for i in range(steps):
+            # Teacher forcing: step i at index j reads the data token i places further on.
+            step_tokens = F.pad(tokens[:, i:], (0, i)) if i else tokens
+            hidden, step_logits, kv = self.step(step_tokens, hidden, positions + i, past)
+            past.append(kv)
+            logits.append(step_logits)
+        return logits

@@ -1,0 +1,1 @@
+"""Training: the trainer loop, EAGLE-3 training-time test, losses, checkpoints."""

@@ -1,0 +1,335 @@
+"""The training loop, shared by every draft family: forward/loss, backward, clip, step. No per-algorithm branches.
+
+Runs single-process (CPU or GPU), DDP across processes (`accelerate launch`, `torchrun`), or DeepSpeed ZeRO
+from the recipe. Offline data comes from generator shards; online data is captured from the target in the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from speculators_train.errors import UserError
+from speculators_train.files import atomic_write_json
+from speculators_train.hidden_states.shards import TOKEN_FREQ, HiddenStateShards, read_manifest
+from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
+from speculators_train.models.vocab import build_vocab_mapping, draft_to_target
+from speculators_train.recipe import Recipe
+from speculators_train.training import checkpoint as ckpt
+from speculators_train.training.data import epoch_batches, iter_batches
+from speculators_train.training.ttt import Eagle3Objective, TargetHead, summarize
+
+log = logging.getLogger(__name__)
+
+
+def _accelerator(recipe: Recipe):
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    cfg = recipe.training
+    cuda = torch.cuda.is_available() and recipe.target.device != "cpu"
+    precision = ("bf16" if cuda else "no") if cfg.mixed_precision == "auto" else cfg.mixed_precision
+    plugin = None
+    if cfg.deepspeed is not None:
+        plugin = DeepSpeedPlugin(
+            zero_stage=cfg.deepspeed.zero_stage,
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            gradient_clipping=cfg.max_grad_norm,
+            offload_optimizer_device="cpu" if cfg.deepspeed.offload_optimizer else "none",
+        )
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.batch_size
+    return Accelerator(
+        cpu=not cuda,
+        mixed_precision=precision,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        deepspeed_plugin=plugin,
+    )
+
+
+def _check_manifest(recipe: Recipe, manifest: dict[str, Any], directory: Path) -> None:
+    identity = manifest["identity"]
+    wanted = recipe.target.aux_layer_ids
+    problems = []
+    if identity["name_or_path"] != recipe.target.name_or_path:
+        problems.append(f"target {identity['name_or_path']!r} there, {recipe.target.name_or_path!r} in the recipe")
+    if wanted is not None and identity["aux_layer_ids"] != wanted:
+        problems.append(f"aux_layer_ids {identity['aux_layer_ids']} there, {wanted} in the recipe")
+    if problems:
+        raise UserError(f"{directory} was generated for another setup: " + "; ".join(problems))
+
+
+def build_objective(recipe: Recipe, manifest: dict[str, Any], directory: Path) -> Eagle3Objective:
+    """Draft (vocab from the generator's token counts, lm_head/norm initialised from the target) + frozen head."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from speculators_train.target import load_head_weights
+
+    identity = manifest["identity"]
+    with safe_open(directory / TOKEN_FREQ, framework="pt") as fh:
+        freq = fh.get_tensor("token_freq")
+    d2t, t2d = build_vocab_mapping(freq, min(recipe.eagle3.draft_vocab_size, identity["vocab_size"]))
+    target_config, weights = load_head_weights(recipe.target)
+    config = Eagle3Config.for_target(
+        target_config, identity["aux_layer_ids"], d2t.numel(), recipe.eagle3.norm_before_residual
+    )
+    draft = Eagle3Draft(config)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(weights["embed"])
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+        # Start the draft's head where the target's is: its rows for the kept ids, and its final norm.
+        draft.lm_head.weight.copy_(weights["lm_head"][draft_to_target(d2t)])
+        draft.norm.weight.copy_(weights["norm"])
+    norm = LlamaRMSNorm(target_config.hidden_size, eps=target_config.rms_norm_eps)
+    with torch.no_grad():
+        norm.weight.copy_(weights["norm"])
+    draft.gradient_checkpointing = recipe.training.gradient_checkpointing
+    return Eagle3Objective(draft, TargetHead(norm, weights["lm_head"]), recipe.eagle3.ttt_steps,
+                           recipe.eagle3.step_decay)
+
+
+def resume_identity(recipe: Recipe, manifest: dict[str, Any], world: int) -> dict[str, Any]:
+    """Settings a resumed run must share with the interrupted one (budgets like epochs may change)."""
+    t = recipe.training
+    return {
+        "seed": recipe.seed,
+        "eagle3": recipe.eagle3.model_dump(),
+        "learning_rate": t.learning_rate,
+        "batch_size": t.batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "world_size": world,
+        "data_fingerprint": manifest["identity"]["data_fingerprint"],
+    }
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe) -> None:
+        if recipe.generation.hidden_states == "online":
+            raise UserError(
+                f"{recipe.source_path}: training from online hidden states is not supported yet; set "
+                "generation.hidden_states: offline and run `speculators-train generate` first"
+            )
+        self.recipe = recipe
+        self.cfg = recipe.training
+        self.acc = _accelerator(recipe)
+        torch.manual_seed(recipe.seed)
+        random.seed(recipe.seed)
+        directory = recipe.hidden_states_dir
+        manifest = read_manifest(directory)
+        if not manifest.get("complete"):
+            raise UserError(f"{directory}: generation is not complete; rerun `speculators-train generate`")
+        _check_manifest(recipe, manifest, directory)
+        self.train_set = HiddenStateShards(directory, "train")
+        self.val_set = HiddenStateShards(directory, "held_out")
+        self.identity = resume_identity(recipe, manifest, self.acc.num_processes)
+        objective = build_objective(recipe, manifest, directory)
+        params = objective.draft.trainable_parameters()
+        optimizer = torch.optim.AdamW(
+            params, lr=self.cfg.learning_rate, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.95)
+        )
+        self.batches_per_epoch = len(self._batches(0))
+        steps_per_epoch = math.ceil(self.batches_per_epoch / self.cfg.gradient_accumulation_steps)
+        total = self.cfg.epochs * steps_per_epoch
+        self.total_steps = min(total, self.cfg.max_steps) if self.cfg.max_steps else total
+        from transformers import get_cosine_schedule_with_warmup
+
+        self.scheduler = get_cosine_schedule_with_warmup(
+            optimizer, round(self.cfg.warmup_ratio * self.total_steps), self.total_steps
+        )
+        self.model, self.optimizer = self.acc.prepare(objective, optimizer)
+        self.run_dir = recipe.run_dir / "train"
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.wandb = None
+        self.state = {"step": 0, "epoch": 0, "batch": 0, "tokens": 0, "best": None, "identity": self.identity}
+        self._resume()
+
+    def _batches(self, epoch: int) -> list[list[int]]:
+        """A whole number of accumulation groups, so no gradient is left pending across epochs or checkpoints."""
+        batches = epoch_batches(
+            self.train_set.lengths,
+            self.cfg.batch_size,
+            self.recipe.seed,
+            epoch,
+            self.acc.num_processes,
+            self.acc.process_index,
+            self.cfg.length_bucketing,
+        )
+        usable = len(batches) - len(batches) % self.cfg.gradient_accumulation_steps
+        if usable == 0:
+            raise UserError(f"{len(batches)} batches per rank: fewer than gradient_accumulation_steps")
+        return batches[:usable]
+
+    @property
+    def draft(self) -> Eagle3Draft:
+        return self.acc.unwrap_model(self.model).draft
+
+    def _resume(self) -> None:
+        path = ckpt.latest_checkpoint(self.ckpt_dir)
+        if path is None:
+            return
+        optimizer_state, state = ckpt.load_training_state(path)
+        diffs = {k: (state["identity"].get(k), v) for k, v in self.identity.items() if state["identity"].get(k) != v}
+        if diffs:
+            detail = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in diffs.items())
+            raise UserError(f"{path} was trained with other settings ({detail}); use another output_dir")
+        weights = ckpt.load_draft(path).state_dict()
+        weights.pop("embed_tokens.weight")
+        self.draft.load_state_dict(weights, strict=False)
+        self.optimizer.load_state_dict(optimizer_state["optimizer"])
+        self.scheduler.load_state_dict(optimizer_state["scheduler"])
+        torch.set_rng_state(optimizer_state["torch_rng"])
+        self.state = state
+        log.info("resuming from %s (step %d, epoch %d, batch %d)", path, state["step"], state["epoch"], state["batch"])
+
+    def _save(self) -> None:
+        self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            optimizer_state = {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+            }
+            ckpt.save_checkpoint(
+                self.ckpt_dir, self.state["step"], self.draft, optimizer_state, self.state, self.cfg.keep_last
+            )
+            if self.state["best"] is not None and self.state["best"]["step"] == self.state["step"]:
+                atomic_write_json(self.ckpt_dir / "best.json", self.state["best"])
+        self.acc.wait_for_everyone()
+
+    def _log(self, record: dict[str, Any]) -> None:
+        if self.acc.is_main_process:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.run_dir / "metrics.jsonl", "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            if self.wandb is not None:
+                self.wandb.log(record, step=record["step"])
+
+    def _sum(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        keys = sorted(sums)
+        stacked = self.acc.reduce(torch.stack([sums[k] for k in keys]), reduction="sum")
+        return dict(zip(keys, stacked.tolist(), strict=True))
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        self.model.eval()
+        indices = list(range(len(self.val_set)))[self.acc.process_index :: self.acc.num_processes]
+        batches = [indices[k : k + self.cfg.batch_size] for k in range(0, len(indices), self.cfg.batch_size)]
+        sums: dict[str, torch.Tensor] = {}
+        for batch in iter_batches(self.val_set, batches):
+            _, metrics = self.model(self._to_device(batch))
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0) + value
+        self.model.train()
+        if not sums:
+            raise UserError("the held-out split is empty: raise data.held_out_fraction")
+        return summarize(self._sum(sums), self.recipe.eagle3.ttt_steps, self.recipe.eval.num_speculative_tokens)
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.acc.device, non_blocking=True) for k, v in batch.items()}
+
+    def _evaluate(self) -> dict[str, float]:
+        """Validate on the held-out split; a better predicted acceptance length marks this step as best."""
+        metrics = self.validate()
+        key = f"predicted_al_{min(self.recipe.eval.num_speculative_tokens, self.recipe.eagle3.ttt_steps)}"
+        self._log({"step": self.state["step"], **{f"val/{k}": v for k, v in metrics.items()}})
+        best = self.state["best"]
+        if best is None or metrics[key] > best["value"]:
+            self.state["best"] = {"step": self.state["step"], "metric": key, "value": metrics[key]}
+        return metrics
+
+    def train(self) -> dict[str, float]:
+        """Epochs of micro-batches; validate, keep the best and checkpoint at each epoch end and at the budget."""
+        cfg, state = self.cfg, self.state
+        self.wandb = self._init_wandb()
+        bar = tqdm(
+            total=self.total_steps,
+            initial=state["step"],
+            unit="step",
+            disable=not self.acc.is_main_process,
+            desc="train",
+        )
+        sums: dict[str, torch.Tensor] = {}
+        losses: list[torch.Tensor] = []
+        tokens, started = 0, time.perf_counter()
+        metrics: dict[str, float] = {}
+        self.model.train()
+        while state["step"] < self.total_steps and state["epoch"] < cfg.epochs:
+            batches = self._batches(state["epoch"])
+            for batch in iter_batches(self.train_set, batches, state["batch"]):
+                # 1) forward + loss, backward; clip and step once per accumulated group
+                with self.acc.accumulate(self.model), self.acc.autocast():
+                    loss, step_metrics = self.model(self._to_device(batch))
+                    self.acc.backward(loss)
+                    if self.acc.sync_gradients:
+                        self.acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad()
+                losses.append(loss.detach())
+                for key, value in step_metrics.items():
+                    sums[key] = sums.get(key, 0) + value
+                tokens += int(batch["lengths"].sum())
+                state["batch"] += 1
+                if not self.acc.sync_gradients:
+                    continue
+                # 2) bookkeeping of one optimizer step
+                self.scheduler.step()
+                state["step"] += 1
+                state["tokens"] += tokens * self.acc.num_processes
+                rate = tokens * self.acc.num_processes / (time.perf_counter() - started)
+                record = {
+                    "step": state["step"],
+                    "epoch": state["epoch"],
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "loss": self.acc.reduce(torch.stack(losses).mean(), reduction="mean").item(),
+                    "tokens_per_s": rate,
+                }
+                if state["step"] % cfg.log_every_steps == 0 or state["step"] == self.total_steps:
+                    summary = summarize(self._sum(sums), self.recipe.eagle3.ttt_steps)
+                    record.update({f"train/{k}": v for k, v in summary.items() if "acc" in k})
+                    sums = {}
+                self._log(record)
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{rate:.0f}", loss=f"{record['loss']:.3f}")
+                losses, tokens, started = [], 0, time.perf_counter()
+                if cfg.eval_every_steps and state["step"] % cfg.eval_every_steps == 0:
+                    metrics = self._evaluate()
+                if cfg.save_every_steps and state["step"] % cfg.save_every_steps == 0:
+                    self._save()
+                if state["step"] >= self.total_steps:
+                    break
+            # 3) end of the epoch or of the budget: validate, checkpoint, keep the best
+            if state["batch"] >= len(batches):
+                state["epoch"] += 1
+                state["batch"] = 0
+            metrics = self._evaluate()
+            self._save()
+        bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        return metrics
+
+    def _init_wandb(self):
+        cfg = self.cfg.wandb
+        if cfg.mode == "disabled" or not self.acc.is_main_process:
+            return None
+        import wandb
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        return wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            name=cfg.run_name or self.recipe.name,
+            mode=cfg.mode,
+            dir=str(self.run_dir),
+            config=self.recipe.model_dump(mode="json"),
+            resume="allow",
+        )

@@ -1,0 +1,197 @@
+"""EAGLE-3 draft, TTT masks/positions, loss alignment and draft vocabulary: pure-function tests."""
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
+from speculators_train.models.vocab import build_vocab_mapping, draft_to_target
+from speculators_train.training.ttt import TargetHead, align, summarize, ttt_loss
+
+H, V, DV, AUX = 32, 64, 16, 3
+
+
+def tiny_draft(seed: int = 0, norm_before_residual: bool = False) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    target = LlamaConfig(
+        hidden_size=H,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+    )
+    cfg = Eagle3Config.for_target(target, [1, 2, 3], DV, norm_before_residual)
+    draft = Eagle3Draft(cfg).double()
+    for p in draft.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    d2t, t2d = build_vocab_mapping(torch.arange(V).flip(0), DV)  # keeps ids 0..15
+    draft.d2t.copy_(d2t)
+    draft.t2d.copy_(t2d)
+    return draft
+
+
+def reference_chain(draft: Eagle3Draft, tokens, aux, positions, j: int, steps: int) -> list[torch.Tensor]:
+    """Chain j computed like inference, one token at a time with an explicit KV list: the context is
+    step 0 at positions <= j; step s adds one entry (teacher-forced token j+s, previous output as hidden)."""
+    layer, attn = draft.layers[0], draft.layers[0].self_attn
+    hd = attn.head_dim
+
+    def run(tok, hid, pos, keys, values):
+        emb = draft.embed_tokens(tok)
+        normed = layer.hidden_norm(hid)
+        residual = normed if layer.norm_before_residual else hid
+        x = torch.cat([layer.input_layernorm(emb), normed], -1)
+        q = attn.q_proj(x).view(1, -1, 1, hd)  # [1, nh, 1, d]
+        k = attn.k_proj(x).view(1, -1, 1, hd)  # [1, nkv, 1, d]
+        v = attn.v_proj(x).view(1, -1, 1, hd)
+        cos, sin = draft.rotary_emb(x, torch.tensor([[pos]]))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k = k.repeat_interleave(attn.num_key_value_groups, 1)
+        v = v.repeat_interleave(attn.num_key_value_groups, 1)
+        ks, vs = torch.cat([*keys, k], 2), torch.cat([*values, v], 2)
+        w = torch.softmax((q @ ks.transpose(-1, -2)) / math.sqrt(hd), -1)
+        out = attn.o_proj((w @ vs).transpose(1, 2).reshape(1, -1)) + residual
+        out = out + layer.mlp(layer.post_attention_layernorm(out))
+        return out, k, v, draft.lm_head(draft.norm(out))
+
+    hidden0 = draft.fc(aux[0])
+    keys, values = [], []
+    for p in range(j + 1):  # step 0 over the context, causal
+        out, k, v, logits = run(tokens[0, p : p + 1], hidden0[p : p + 1], int(positions[0, p]), keys, values)
+        keys.append(k)
+        values.append(v)
+    results, hidden = [logits[0]], out
+    for s in range(1, steps):
+        out, k, v, logits = run(tokens[0, j + s : j + s + 1], hidden, int(positions[0, j]) + s, keys, values)
+        keys.append(k)
+        values.append(v)
+        results.append(logits[0])
+        hidden = out
+    return results
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_ttt_unroll_equals_token_by_token_reference(norm_before_residual):
+    draft = tiny_draft(norm_before_residual=norm_before_residual)
+    t, steps = 12, 4
+    tokens = torch.randint(0, V, (1, t))
+    aux = torch.randn(1, t, AUX * H, dtype=torch.float64)
+    positions = torch.arange(1, t + 1)[None]
+    logits = draft.ttt_forward(tokens, aux, positions, steps)
+    for j in range(t - steps + 1):
+        for i, ref in enumerate(reference_chain(draft, tokens, aux, positions, j, steps)):
+            torch.testing.assert_close(logits[i][0, j], ref, msg=f"chain {j} step {i}")
+
+
+def test_reference_catches_missing_rope_offset_and_future_leak():
+    """The reference test must fail if RoPE offsets were dropped or later positions leaked in."""
+    draft = tiny_draft()
+    t, steps = 10, 3
+    tokens, aux = torch.randint(0, V, (1, t)), torch.randn(1, t, AUX * H, dtype=torch.float64)
+    positions = torch.arange(1, t + 1)[None]
+    good = draft.ttt_forward(tokens, aux, positions, steps)
+    ref = reference_chain(draft, tokens, aux, positions, 3, steps)
+    no_offset = draft.ttt_forward.__func__  # run steps with a frozen position to emulate the bug
+    draft_bug = tiny_draft()
+    original_step = draft_bug.step
+
+    def step_without_offset(tok, hid, pos, past):
+        return original_step(tok, hid, positions, past)
+
+    draft_bug.step = step_without_offset
+    bad = no_offset(draft_bug, tokens, aux, positions, steps)
+    assert not torch.allclose(bad[2][0, 3], ref[2])
+    assert torch.allclose(good[2][0, 3], ref[2])
+    # Future leak: changing a token after chain 3's reach must not change chain 3.
+    tokens2 = tokens.clone()
+    tokens2[0, 3 + steps :] = (tokens2[0, 3 + steps :] + 1) % V
+    changed = draft.ttt_forward(tokens2, aux, positions, steps)
+    for i in range(steps):
+        torch.testing.assert_close(changed[i][0, 3], good[i][0, 3])
+
+
+def test_vocab_mapping_round_trip_and_padding():
+    freq = torch.zeros(100, dtype=torch.int64)
+    freq[[7, 3, 50, 99]] = torch.tensor([5, 9, 1, 5])
+    d2t, t2d = build_vocab_mapping(freq, 6)
+    kept = draft_to_target(d2t)
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool
+    assert kept.tolist() == [0, 1, 3, 7, 50, 99], "seen ids kept, padded with unseen low ids, ascending"
+    assert t2d.nonzero().flatten().tolist() == kept.tolist()
+    assert (d2t == kept - torch.arange(6)).all()
+    d2t, _ = build_vocab_mapping(freq, 3)
+    assert draft_to_target(d2t).tolist() == [3, 7, 99], "ties broken towards the lower id"
+    with pytest.raises(ValueError, match="draft_vocab_size 101"):
+        build_vocab_mapping(freq, 101)
+
+
+def head_for(draft: Eagle3Draft) -> TargetHead:
+    torch.manual_seed(1)
+    norm = torch.nn.Identity()
+    return TargetHead(norm, torch.randn(V, H, dtype=torch.float64)).double()
+
+
+def test_loss_mask_moves_with_the_predicted_token():
+    draft = tiny_draft()
+    t = 10
+    final = torch.randn(1, t, H, dtype=torch.float64)
+    head = head_for(draft)
+    # Make every target top-1 fall in the draft vocab (ids < 16) so only the loss mask decides.
+    with torch.no_grad():
+        head.lm_head.weight[DV:] = 0
+        final = final.abs()
+        head.lm_head.weight[:DV] = head.lm_head.weight[:DV].abs()
+    mask = torch.zeros(1, t, dtype=torch.bool)
+    mask[0, 6] = True  # only x6 is an assistant token
+    batch = {
+        "input_ids": torch.randint(0, V, (1, t)),
+        "aux_hidden_states": torch.randn(1, t, AUX * H).double(),
+        "hidden_state": final,
+        "loss_mask": mask,
+    }
+    a = align(batch, head, draft)
+    # x6 is predicted at chain index j with j + 2 = 6, from target state y5 = final[:, 5].
+    assert a.valid[0].nonzero().flatten().tolist() == [4]
+    expected = torch.softmax(head(final[:, 5])[0, :DV], -1)
+    torch.testing.assert_close(a.target_probs[0, 4], expected.float())
+    assert a.tokens[0, 4] == batch["input_ids"][0, 5] and a.positions[0, 4] == 5
+    _, metrics = ttt_loss(draft, batch, head, steps=3, decay=0.8)
+    # Step i predicts x6 from chain j = 4 - i: exactly one trained token at each step.
+    assert [int(metrics[f"n_{i}"]) for i in range(3)] == [1, 1, 1]
+
+
+def test_targets_outside_draft_vocab_are_masked():
+    draft = tiny_draft()
+    head = head_for(draft)
+    with torch.no_grad():
+        head.lm_head.weight[:DV] = 0  # top-1 always outside the kept ids
+        head.lm_head.weight[DV:] = head.lm_head.weight[DV:].abs()
+    batch = {
+        "input_ids": torch.randint(0, V, (1, 8)),
+        "aux_hidden_states": torch.randn(1, 8, AUX * H).double(),
+        "hidden_state": torch.rand(1, 8, H).double(),
+        "loss_mask": torch.ones(1, 8, dtype=torch.bool),
+    }
+    assert not align(batch, head, draft).valid.any()
+
+
+def test_step_weights_decay_and_metrics_summary():
+    draft = tiny_draft()
+    head = head_for(draft)
+    batch = {
+        "input_ids": torch.randint(0, V, (2, 9)),
+        "aux_hidden_states": torch.randn(2, 9, AUX * H).double(),
+        "hidden_state": torch.randn(2, 9, H).double(),
+        "loss_mask": torch.ones(2, 9, dtype=torch.bool),
+    }
+    loss, metrics = ttt_loss(draft, batch, head, steps=3, decay=0.5)
+    expected = sum(0.5**i * metrics[f"loss_{i}"] / metrics[f"n_{i}"] for i in range(3))
+    torch.testing.assert_close(loss, expected)
+    summary = summarize({k: float(v) for k, v in metrics.items()}, 3, k=2)
+    assert summary["predicted_al_2"] == pytest.approx(1 + summary["full_acc_0"] + summary["full_acc_1"])
+    assert summary["full_acc_1"] <= summary["full_acc_0"]

@@ -1,0 +1,147 @@
+"""The EAGLE-3 trainer end to end on hidden states of the real SmolLM2 target over real ShareGPT records."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from speculators_train.errors import UserError
+from speculators_train.hidden_states.generator import generate
+from speculators_train.recipe import load_recipe
+from speculators_train.training.trainer import Trainer
+
+from .conftest import REPO, SHAREGPT, make_recipe
+
+pytestmark = pytest.mark.slow
+CLI = [sys.executable, "-m", "speculators_train"]
+TRAIN = {
+    "batch_size": 4,
+    "learning_rate": 3e-3,
+    "log_every_steps": 1,
+    "wandb": {"mode": "disabled"},
+    "warmup_ratio": 0.0,
+}
+EAGLE3 = {"draft_vocab_size": 1024, "ttt_steps": 3}
+
+
+@pytest.fixture(scope="module")
+def states(tmp_path_factory, target):
+    """Hidden states of 20 real ShareGPT records (<=128 tokens each), generated once for this module."""
+    tmp = tmp_path_factory.mktemp("states")
+    recipe = load_recipe(make_recipe(tmp, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}]))
+    generate(recipe)
+    return recipe.hidden_states_dir
+
+
+def run_recipe(tmp_path: Path, states: Path, **sections) -> Path:
+    """A recipe whose run dir already holds `states`, so each test trains on the same hidden states."""
+    path = make_recipe(
+        tmp_path,
+        [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}],
+        training={**TRAIN, **sections.pop("training", {})},
+        eagle3={**EAGLE3, **sections.pop("eagle3", {})},
+        **sections,
+    )
+    shutil.copytree(states, tmp_path / "run" / "hidden_states")
+    return path
+
+
+def losses(run: Path) -> dict[int, float]:
+    """Loss per optimizer step from metrics.jsonl (the last record wins when a killed run re-did a step)."""
+    out = {}
+    for line in (run / "train" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
+    return out
+
+
+def test_tiny_draft_overfits_real_samples(tmp_path, states):
+    recipe = load_recipe(
+        run_recipe(tmp_path, states, training={"epochs": 50, "log_every_steps": 3}, eagle3={"ttt_steps": 2})
+    )
+    trainer = Trainer(recipe)
+    trainer.train()
+    records = [json.loads(x) for x in (tmp_path / "run" / "train" / "metrics.jsonl").read_text().splitlines()]
+    train_acc = [r["train/full_acc_0"] for r in records if "train/full_acc_0" in r]
+    assert train_acc[-1] > 0.9, f"step-0 accuracy on the training samples only reached {train_acc[-1]:.3f}"
+    first, last = records[0]["loss"], [r["loss"] for r in records if "loss" in r][-1]
+    assert last < 0.2 * first
+
+
+def test_killed_run_resumes_with_the_same_loss_curve(tmp_path, states):
+    settings = {"training": {"epochs": 4, "save_every_steps": 1}}
+    clean = run_recipe(tmp_path / "clean", states, **settings)
+    killed = run_recipe(tmp_path / "killed", states, **settings)
+    subprocess.run([*CLI, "train", str(clean)], cwd=REPO, check=True, capture_output=True)
+    latest = tmp_path / "killed" / "run" / "train" / "checkpoints" / "latest.json"
+    proc = subprocess.Popen(
+        [*CLI, "train", str(killed)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and not (latest.is_file() and json.loads(latest.read_text())["step"] >= 3):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    expected = losses(tmp_path / "clean" / "run")
+    assert json.loads(latest.read_text())["step"] < max(expected), "the run finished before it was killed"
+    subprocess.run([*CLI, "train", str(killed)], cwd=REPO, check=True, capture_output=True)
+    got = losses(tmp_path / "killed" / "run")
+    assert got.keys() == expected.keys()
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-6), f"step {step}"
+    last = f"step-{max(expected):06d}"
+    a = load_file(tmp_path / "clean" / "run" / "train" / "checkpoints" / last / "model.safetensors")
+    b = load_file(tmp_path / "killed" / "run" / "train" / "checkpoints" / last / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
+
+
+def test_two_cpu_ranks_match_one_rank_with_the_same_global_batch(tmp_path, states):
+    one = run_recipe(tmp_path / "one", states, training={"epochs": 2, "batch_size": 4})
+    two = run_recipe(tmp_path / "two", states, training={"epochs": 2, "batch_size": 2})
+    subprocess.run([*CLI, "train", str(one)], cwd=REPO, check=True, capture_output=True)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "speculators_train"]
+    result = subprocess.run([*torchrun, "train", str(two)], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    single, ddp = losses(tmp_path / "one" / "run"), losses(tmp_path / "two" / "run")
+    assert single.keys() == ddp.keys() and len(single) >= 4
+    for step in single:
+        assert ddp[step] == pytest.approx(single[step], rel=1e-4), f"step {step}"
+
+
+def test_best_checkpoint_survives_pruning_and_loads(tmp_path, states):
+    from speculators_train.training.checkpoint import load_draft, read_pointer
+
+    recipe = load_recipe(run_recipe(tmp_path, states, training={"epochs": 3, "keep_last": 1}))
+    trainer = Trainer(recipe)
+    metrics = trainer.train()
+    root = tmp_path / "run" / "train" / "checkpoints"
+    best = read_pointer(root / "best.json")
+    assert best["metric"] == "predicted_al_3" and best["value"] >= 1.0
+    assert (root / f"step-{best['step']:06d}").is_dir()
+    assert len([p for p in root.glob("step-*")]) <= 2
+    draft = load_draft(root / f"step-{trainer.state['step']:06d}")
+    assert draft.d2t.dtype == torch.int64 and draft.t2d.dtype == torch.bool
+    assert draft.lm_head.weight.shape[0] == 1024 and 0 < metrics["full_acc_0"] <= 1
+
+
+def test_states_from_another_target_or_layers_are_refused(tmp_path, states):
+    recipe = load_recipe(run_recipe(tmp_path, states, target={"aux_layer_ids": [1, 2, 3]}))
+    with pytest.raises(UserError, match=r"aux_layer_ids \[2, 15, 27\] there, \[1, 2, 3\] in the recipe"):
+        Trainer(recipe)
+
+
+def test_training_without_generated_states_says_what_to_run(tmp_path):
+    recipe = load_recipe(make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 4}]))
+    with pytest.raises(UserError, match=r"no manifest\.json; run `speculators-train generate <recipe>` first"):
+        Trainer(recipe)
