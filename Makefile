@@ -22,6 +22,7 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/speculators-train generate $(RECIPE)
 	$(VENV)/bin/speculators-train validate $(RECIPE)
+	$(VENV)/bin/speculators-train train $(RECIPE)
 
 test: install
 	$(VENV)/bin/ruff check .
@@ -36,6 +37,7 @@ lint: install
 
 bench: install
 	$(PY) eval/bench_generate.py
+	$(PY) eval/bench_train.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -63,7 +63,7 @@ def _setup(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> tup
 def _forward_batches(recipe: Recipe, target: Target, splits: Splits) -> Iterator[Batch]:
     """The generator's forwards for rank 0 of 1: per shard-sized chunk, rendered, then padded like `capture`."""
     data = recipe.data
-    for chunk in generator._chunks(splits.train, recipe.generation.samples_per_shard):
+    for chunk in generator.chunks(splits.train, recipe.generation.samples_per_shard):
         skips = SkipReport()
         rendered = [render(c, target.tokenizer, data.max_length, data.overlong, skips) for c in chunk]
         samples = [s for s in rendered if s is not None]

@@ -104,8 +104,9 @@ def _report_training(recipe: Recipe, trainer, metrics: dict[str, float]) -> None
     for column in ("ttt step", "loss", "full_acc", "cond_acc"):
         table.add_column(column, justify="right")
     for i in range(steps):
-        table.add_row(str(i), f"{metrics[f'loss_{i}']:.3f}", f"{metrics[f'full_acc_{i}']:.3f}",
-                      f"{metrics[f'cond_acc_{i}']:.3f}")
+        table.add_row(
+            str(i), f"{metrics[f'loss_{i}']:.3f}", f"{metrics[f'full_acc_{i}']:.3f}", f"{metrics[f'cond_acc_{i}']:.3f}"
+        )
     console.print(table)
     key = next(k for k in metrics if k.startswith("predicted_al_"))
     console.print(f"predicted acceptance length at {key.rsplit('_', 1)[1]} draft tokens: {metrics[key]:.2f}")

@@ -76,3 +76,21 @@ def test_missing_mix_file_names_key(tmp_path):
     recipe = load_recipe(write(tmp_path, "name: x\ndata: {mix: nowhere.yaml}\n"))
     with pytest.raises(UserError, match=r"data.mix: file 'nowhere.yaml' not found"):
         recipe.resolve_path(recipe.data.mix, "data.mix")
+
+
+def test_invalid_training_and_eagle3_keys(tmp_path):
+    path = write(
+        tmp_path, "name: x\ndata: {mix: m.yaml}\ntraining: {learning_rate: -1, batch: 4}\neagle3: {ttt_steps: 0}\n"
+    )
+    with pytest.raises(UserError) as err:
+        load_recipe(path)
+    text = str(err.value)
+    assert f"{path}: training.learning_rate: Input should be greater than 0 (got -1)" in text
+    assert f"{path}: training.batch: unknown key (did you mean batch_size?)" in text
+    assert f"{path}: eagle3.ttt_steps: Input should be greater than 0 (got 0)" in text
+
+
+def test_deepspeed_stage_must_be_valid(tmp_path):
+    path = write(tmp_path, "name: x\ndata: {mix: m.yaml}\ntraining: {deepspeed: {zero_stage: 5}}\n")
+    with pytest.raises(UserError, match=r"training\.deepspeed\.zero_stage"):
+        load_recipe(path)

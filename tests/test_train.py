@@ -105,18 +105,29 @@ def test_killed_run_resumes_with_the_same_loss_curve(tmp_path, states):
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
 
 
-def test_two_cpu_ranks_match_one_rank_with_the_same_global_batch(tmp_path, states):
-    one = run_recipe(tmp_path / "one", states, training={"epochs": 2, "batch_size": 4})
-    two = run_recipe(tmp_path / "two", states, training={"epochs": 2, "batch_size": 2})
-    subprocess.run([*CLI, "train", str(one)], cwd=REPO, check=True, capture_output=True)
+def two_ranks(recipe: Path) -> None:
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "speculators_train"]
-    result = subprocess.run([*torchrun, "train", str(two)], cwd=REPO, env=env, capture_output=True, text=True)
+    result = subprocess.run([*torchrun, "train", str(recipe)], cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    single, ddp = losses(tmp_path / "one" / "run"), losses(tmp_path / "two" / "run")
-    assert single.keys() == ddp.keys() and len(single) >= 4
-    for step in single:
-        assert ddp[step] == pytest.approx(single[step], rel=1e-4), f"step {step}"
+
+
+@pytest.fixture(scope="module")
+def single_rank_losses(tmp_path_factory, states):
+    tmp = tmp_path_factory.mktemp("one")
+    one = run_recipe(tmp, states, training={"epochs": 2, "batch_size": 4})
+    subprocess.run([*CLI, "train", str(one)], cwd=REPO, check=True, capture_output=True)
+    return losses(tmp / "run")
+
+
+@pytest.mark.parametrize("deepspeed", [None, {"zero_stage": 2}], ids=["ddp", "zero2"])
+def test_two_cpu_ranks_match_one_rank_with_the_same_global_batch(tmp_path, states, single_rank_losses, deepspeed):
+    two = run_recipe(tmp_path, states, training={"epochs": 2, "batch_size": 2, "deepspeed": deepspeed})
+    two_ranks(two)
+    got = losses(tmp_path / "run")
+    assert got.keys() == single_rank_losses.keys() and len(got) >= 4
+    for step, expected in single_rank_losses.items():
+        assert got[step] == pytest.approx(expected, rel=1e-4), f"step {step}"
 
 
 def test_best_checkpoint_survives_pruning_and_loads(tmp_path, states):
@@ -145,3 +156,37 @@ def test_training_without_generated_states_says_what_to_run(tmp_path):
     recipe = load_recipe(make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 4}]))
     with pytest.raises(UserError, match=r"no manifest\.json; run `speculators-train generate <recipe>` first"):
         Trainer(recipe)
+
+
+def test_online_training_writes_no_states_and_resumes_exactly(tmp_path, monkeypatch):
+    """Online mode runs the real target in the loop; a crash after a checkpoint resumes to the same curve."""
+    sections = {
+        "generation": {"hidden_states": "online", "samples_per_shard": 8},
+        "training": {**TRAIN, "epochs": 2, "save_every_steps": 1},
+        "eagle3": EAGLE3,
+    }
+    sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}]
+    clean = load_recipe(make_recipe(tmp_path / "clean", sources, **sections))
+    Trainer(clean).train()
+    expected = losses(tmp_path / "clean" / "run")
+    assert len(expected) >= 4 and not (tmp_path / "clean" / "run" / "hidden_states").exists()
+
+    crashed = load_recipe(make_recipe(tmp_path / "crashed", sources, **sections))
+    original_save = Trainer._save
+
+    def save_then_crash(self):
+        original_save(self)
+        if self.state["step"] == 2:
+            raise RuntimeError("simulated crash")
+
+    monkeypatch.setattr(Trainer, "_save", save_then_crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        Trainer(crashed).train()
+    monkeypatch.setattr(Trainer, "_save", original_save)
+    resumed = Trainer(crashed)
+    assert resumed.state["step"] == 2 and resumed.state["position"] is not None
+    resumed.train()
+    got = losses(tmp_path / "crashed" / "run")
+    assert got.keys() == expected.keys()
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-6), f"step {step}"

@@ -143,11 +143,11 @@ def process_chunk(recipe: Recipe, target: Target, chunk: list[Conversation], see
     return ChunkResult(capture(target, samples, recipe.generation.max_tokens_per_batch, dtype), skips)
 
 
-def _chunks(records: list[Conversation], size: int) -> list[list[Conversation]]:
+def chunks(records: list[Conversation], size: int) -> list[list[Conversation]]:
     return [records[k : k + size] for k in range(0, len(records), size)]
 
 
-def _chunk_seed(recipe: Recipe, split: str, rank: int, index: int) -> int:
+def chunk_seed(recipe: Recipe, split: str, rank: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{recipe.seed}:{split}:{rank}:{index}".encode()).digest()[:4], "big")
 
 
@@ -155,8 +155,8 @@ def iter_online(recipe: Recipe, target: Target, split: str = "train", rank: int 
     """The same samples an offline run would store for this rank and split, produced in memory."""
     splits = load_splits(recipe)
     records = getattr(splits, split)[rank::world_size]
-    for k, chunk in enumerate(_chunks(records, recipe.generation.samples_per_shard)):
-        yield from process_chunk(recipe, target, chunk, _chunk_seed(recipe, split, rank, k)).samples
+    for k, chunk in enumerate(chunks(records, recipe.generation.samples_per_shard)):
+        yield from process_chunk(recipe, target, chunk, chunk_seed(recipe, split, rank, k)).samples
 
 
 class Progress:
@@ -215,23 +215,23 @@ def _run_rank(
     recipe: Recipe, target: Target, splits: Splits, progress: Progress, rank: int, world: int, show: bool
 ) -> None:
     size = recipe.generation.samples_per_shard
-    work = {split: _chunks(getattr(splits, split)[rank::world], size) for split in SPLITS}
-    total = sum(len(c) for chunks in work.values() for c in chunks)
-    done = sum(len(c) for split, chunks in work.items() for c in chunks[: progress.done(split)])
+    work = {split: chunks(getattr(splits, split)[rank::world], size) for split in SPLITS}
+    total = sum(len(c) for parts in work.values() for c in parts)
+    done = sum(len(c) for split, parts in work.items() for c in parts[: progress.done(split)])
     bar = tqdm(total=total, initial=done, unit="rec", desc=f"generate[rank {rank}]", disable=not show)
     tokens, start = 0, time.perf_counter()
     # One background writer: serialising + hashing + fsync of shard k overlaps the forward of shard k+1.
     with ThreadPoolExecutor(max_workers=1) as writer:
         pending: Future | None = None
-        for split, chunks in work.items():
+        for split, parts in work.items():
             folder = recipe.hidden_states_dir / split
-            for k in range(progress.done(split), len(chunks)):
-                result = process_chunk(recipe, target, chunks[k], _chunk_seed(recipe, split, rank, k))
+            for k in range(progress.done(split), len(parts)):
+                result = process_chunk(recipe, target, parts[k], chunk_seed(recipe, split, rank, k))
                 if pending is not None:
                     pending.result()
                 pending = writer.submit(_store, progress, split, folder / shard_name(rank, k), result)
                 tokens += sum(len(s["input_ids"]) for s in result.samples)
-                bar.update(len(chunks[k]))
+                bar.update(len(parts[k]))
                 bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
         if pending is not None:
             pending.result()

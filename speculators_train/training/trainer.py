@@ -20,12 +20,15 @@ from tqdm import tqdm
 
 from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_json
-from speculators_train.hidden_states.shards import TOKEN_FREQ, HiddenStateShards, read_manifest
+from speculators_train.hidden_states.generator import data_fingerprint, load_splits
+from speculators_train.hidden_states.shards import TOKEN_FREQ, read_manifest
 from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
 from speculators_train.models.vocab import build_vocab_mapping, draft_to_target
 from speculators_train.recipe import Recipe
+from speculators_train.target import load_head_weights
 from speculators_train.training import checkpoint as ckpt
-from speculators_train.training.data import epoch_batches, iter_batches
+from speculators_train.training.data import collate
+from speculators_train.training.sources import OfflineSource, OnlineSource, token_frequencies
 from speculators_train.training.ttt import Eagle3Objective, TargetHead, summarize
 
 log = logging.getLogger(__name__)
@@ -67,37 +70,31 @@ def _check_manifest(recipe: Recipe, manifest: dict[str, Any], directory: Path) -
         raise UserError(f"{directory} was generated for another setup: " + "; ".join(problems))
 
 
-def build_objective(recipe: Recipe, manifest: dict[str, Any], directory: Path) -> Eagle3Objective:
-    """Draft (vocab from the generator's token counts, lm_head/norm initialised from the target) + frozen head."""
+def build_objective(
+    recipe: Recipe, target_config, weights: dict[str, torch.Tensor], freq: torch.Tensor, aux_layer_ids: list[int]
+) -> Eagle3Objective:
+    """Draft (vocab from token counts; lm_head rows and norm start from the target's) + the frozen target head."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from speculators_train.target import load_head_weights
-
-    identity = manifest["identity"]
-    with safe_open(directory / TOKEN_FREQ, framework="pt") as fh:
-        freq = fh.get_tensor("token_freq")
-    d2t, t2d = build_vocab_mapping(freq, min(recipe.eagle3.draft_vocab_size, identity["vocab_size"]))
-    target_config, weights = load_head_weights(recipe.target)
-    config = Eagle3Config.for_target(
-        target_config, identity["aux_layer_ids"], d2t.numel(), recipe.eagle3.norm_before_residual
-    )
+    d2t, t2d = build_vocab_mapping(freq, min(recipe.eagle3.draft_vocab_size, freq.numel()))
+    config = Eagle3Config.for_target(target_config, aux_layer_ids, d2t.numel(), recipe.eagle3.norm_before_residual)
     draft = Eagle3Draft(config)
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(weights["embed"])
         draft.d2t.copy_(d2t)
         draft.t2d.copy_(t2d)
-        # Start the draft's head where the target's is: its rows for the kept ids, and its final norm.
         draft.lm_head.weight.copy_(weights["lm_head"][draft_to_target(d2t)])
         draft.norm.weight.copy_(weights["norm"])
     norm = LlamaRMSNorm(target_config.hidden_size, eps=target_config.rms_norm_eps)
     with torch.no_grad():
         norm.weight.copy_(weights["norm"])
     draft.gradient_checkpointing = recipe.training.gradient_checkpointing
-    return Eagle3Objective(draft, TargetHead(norm, weights["lm_head"]), recipe.eagle3.ttt_steps,
-                           recipe.eagle3.step_decay)
+    return Eagle3Objective(
+        draft, TargetHead(norm, weights["lm_head"]), recipe.eagle3.ttt_steps, recipe.eagle3.step_decay
+    )
 
 
-def resume_identity(recipe: Recipe, manifest: dict[str, Any], world: int) -> dict[str, Any]:
+def resume_identity(recipe: Recipe, data_fingerprint: str, world: int) -> dict[str, Any]:
     """Settings a resumed run must share with the interrupted one (budgets like epochs may change)."""
     t = recipe.training
     return {
@@ -107,36 +104,50 @@ def resume_identity(recipe: Recipe, manifest: dict[str, Any], world: int) -> dic
         "batch_size": t.batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
         "world_size": world,
-        "data_fingerprint": manifest["identity"]["data_fingerprint"],
+        "hidden_states": recipe.generation.hidden_states,
+        "data_fingerprint": data_fingerprint,
     }
 
 
 class Trainer:
     def __init__(self, recipe: Recipe) -> None:
-        if recipe.generation.hidden_states == "online":
-            raise UserError(
-                f"{recipe.source_path}: training from online hidden states is not supported yet; set "
-                "generation.hidden_states: offline and run `speculators-train generate` first"
-            )
         self.recipe = recipe
         self.cfg = recipe.training
         self.acc = _accelerator(recipe)
         torch.manual_seed(recipe.seed)
         random.seed(recipe.seed)
-        directory = recipe.hidden_states_dir
-        manifest = read_manifest(directory)
-        if not manifest.get("complete"):
-            raise UserError(f"{directory}: generation is not complete; rerun `speculators-train generate`")
-        _check_manifest(recipe, manifest, directory)
-        self.train_set = HiddenStateShards(directory, "train")
-        self.val_set = HiddenStateShards(directory, "held_out")
-        self.identity = resume_identity(recipe, manifest, self.acc.num_processes)
-        objective = build_objective(recipe, manifest, directory)
+        world, rank = self.acc.num_processes, self.acc.process_index
+        if recipe.generation.hidden_states == "offline":
+            directory = recipe.hidden_states_dir
+            manifest = read_manifest(directory)
+            if not manifest.get("complete"):
+                raise UserError(f"{directory}: generation is not complete; rerun `speculators-train generate`")
+            _check_manifest(recipe, manifest, directory)
+            self.source = OfflineSource(recipe, world, rank)
+            with safe_open(directory / TOKEN_FREQ, framework="pt") as fh:
+                freq = fh.get_tensor("token_freq")
+            target_config, weights = load_head_weights(recipe.target)
+            aux_ids, fingerprint = manifest["identity"]["aux_layer_ids"], manifest["identity"]["data_fingerprint"]
+        else:
+            from speculators_train.target import load_target
+
+            target = load_target(recipe.target)
+            self.source = OnlineSource(recipe, target, world, rank, self._min_across_ranks)
+            freq = token_frequencies(recipe, target.tokenizer, target.vocab_size)
+            target_config, aux_ids = target.config, target.aux_layer_ids
+            weights = {
+                "embed": target.embed_tokens.weight.detach().float().cpu(),
+                "norm": target.final_norm.weight.detach().float().cpu(),
+                "lm_head": target.lm_head.weight.detach().float().cpu(),
+            }
+            fingerprint = data_fingerprint(load_splits(recipe))
+        self.identity = resume_identity(recipe, fingerprint, world)
+        objective = build_objective(recipe, target_config, weights, freq, aux_ids)
         params = objective.draft.trainable_parameters()
         optimizer = torch.optim.AdamW(
             params, lr=self.cfg.learning_rate, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.95)
         )
-        self.batches_per_epoch = len(self._batches(0))
+        self.batches_per_epoch = self.source.batches_per_epoch()
         steps_per_epoch = math.ceil(self.batches_per_epoch / self.cfg.gradient_accumulation_steps)
         total = self.cfg.epochs * steps_per_epoch
         self.total_steps = min(total, self.cfg.max_steps) if self.cfg.max_steps else total
@@ -149,24 +160,17 @@ class Trainer:
         self.run_dir = recipe.run_dir / "train"
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.wandb = None
-        self.state = {"step": 0, "epoch": 0, "batch": 0, "tokens": 0, "best": None, "identity": self.identity}
+        self.state = {"step": 0, "epoch": 0, "position": None, "tokens": 0, "best": None, "identity": self.identity}
         self._resume()
 
-    def _batches(self, epoch: int) -> list[list[int]]:
-        """A whole number of accumulation groups, so no gradient is left pending across epochs or checkpoints."""
-        batches = epoch_batches(
-            self.train_set.lengths,
-            self.cfg.batch_size,
-            self.recipe.seed,
-            epoch,
-            self.acc.num_processes,
-            self.acc.process_index,
-            self.cfg.length_bucketing,
-        )
-        usable = len(batches) - len(batches) % self.cfg.gradient_accumulation_steps
-        if usable == 0:
-            raise UserError(f"{len(batches)} batches per rank: fewer than gradient_accumulation_steps")
-        return batches[:usable]
+    def _min_across_ranks(self, value: int) -> int:
+        if self.acc.num_processes == 1:
+            return value
+        import torch.distributed as dist
+
+        tensor = torch.tensor(value, device=self.acc.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return int(tensor)
 
     @property
     def draft(self) -> Eagle3Draft:
@@ -188,7 +192,9 @@ class Trainer:
         self.scheduler.load_state_dict(optimizer_state["scheduler"])
         torch.set_rng_state(optimizer_state["torch_rng"])
         self.state = state
-        log.info("resuming from %s (step %d, epoch %d, batch %d)", path, state["step"], state["epoch"], state["batch"])
+        log.info(
+            "resuming from %s (step %d, epoch %d, position %s)", path, state["step"], state["epoch"], state["position"]
+        )
 
     def _save(self) -> None:
         self.acc.wait_for_everyone()
@@ -221,10 +227,14 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         self.model.eval()
-        indices = list(range(len(self.val_set)))[self.acc.process_index :: self.acc.num_processes]
-        batches = [indices[k : k + self.cfg.batch_size] for k in range(0, len(indices), self.cfg.batch_size)]
+        held_out = self.source.held_out
+        # Offline: every rank sees all shards, so take this rank's share; online samples are per rank already.
+        indices = list(range(len(held_out)))
+        if isinstance(self.source, OfflineSource):
+            indices = indices[self.acc.process_index :: self.acc.num_processes]
         sums: dict[str, torch.Tensor] = {}
-        for batch in iter_batches(self.val_set, batches):
+        for k in range(0, len(indices), self.cfg.batch_size):
+            batch = collate([held_out[i] for i in indices[k : k + self.cfg.batch_size]])
             _, metrics = self.model(self._to_device(batch))
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0) + value
@@ -263,8 +273,8 @@ class Trainer:
         metrics: dict[str, float] = {}
         self.model.train()
         while state["step"] < self.total_steps and state["epoch"] < cfg.epochs:
-            batches = self._batches(state["epoch"])
-            for batch in iter_batches(self.train_set, batches, state["batch"]):
+            finished_epoch = True
+            for batch, position in self.source.epoch(state["epoch"], state["position"]):
                 # 1) forward + loss, backward; clip and step once per accumulated group
                 with self.acc.accumulate(self.model), self.acc.autocast():
                     loss, step_metrics = self.model(self._to_device(batch))
@@ -277,7 +287,7 @@ class Trainer:
                 for key, value in step_metrics.items():
                     sums[key] = sums.get(key, 0) + value
                 tokens += int(batch["lengths"].sum())
-                state["batch"] += 1
+                state["position"] = position
                 if not self.acc.sync_gradients:
                     continue
                 # 2) bookkeeping of one optimizer step
@@ -305,11 +315,12 @@ class Trainer:
                 if cfg.save_every_steps and state["step"] % cfg.save_every_steps == 0:
                     self._save()
                 if state["step"] >= self.total_steps:
+                    finished_epoch = False
                     break
             # 3) end of the epoch or of the budget: validate, checkpoint, keep the best
-            if state["batch"] >= len(batches):
+            if finished_epoch:
                 state["epoch"] += 1
-                state["batch"] = 0
+                state["position"] = None
             metrics = self._evaluate()
             self._save()
         bar.close()

@@ -1,0 +1,105 @@
+"""Benchmark EAGLE-3 training throughput on the recipe's generated hidden states.
+
+    .venv/bin/python eval/bench_train.py --steps 20                  # CPU, recipes/eagle3.yaml
+    .venv/bin/python eval/bench_train.py --steps 50 --set training.batch_size=16   # e.g. on a GPU
+
+Runs `--steps` optimizer steps of the real trainer (after 2 untimed warm-up steps) in a temporary run
+directory that reuses the recipe's hidden states, and reports tokens/s (real, unpadded tokens), seconds
+per step, peak RSS and, on CUDA, peak allocated GPU memory. Prints one JSON line and a table.
+Run `speculators-train generate <recipe>` first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from speculators_train.recipe import load_recipe
+from speculators_train.training.data import iter_batches
+from speculators_train.training.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default=str(REPO / "recipes" / "eagle3.yaml"))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    overrides = {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in args.set)}
+    recipe = load_recipe(args.recipe, overrides)
+    states = recipe.hidden_states_dir.resolve()
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "hidden_states").symlink_to(states)
+        recipe = load_recipe(args.recipe, {**overrides, "output_dir": tmp, "training.wandb.mode": "disabled"})
+        trainer = Trainer(recipe)
+        model, device = trainer.model, trainer.acc.device
+        batches = iter_batches(trainer.train_set, trainer._batches(0))
+
+        def step() -> int:
+            batch = next(batches)
+            with trainer.acc.autocast():
+                loss, _ = model(trainer._to_device(batch))
+            trainer.acc.backward(loss)
+            trainer.optimizer.step()
+            trainer.optimizer.zero_grad()
+            return int(batch["lengths"].sum())
+
+        for _ in range(2):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start, tokens = time.perf_counter(), 0
+        for _ in range(args.steps):
+            tokens += step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    result = {
+        "device": str(device),
+        "torch_threads": torch.get_num_threads(),
+        "recipe": args.recipe,
+        "overrides": overrides,
+        "steps": args.steps,
+        "batch_size": recipe.training.batch_size,
+        "max_length": recipe.data.max_length,
+        "ttt_steps": recipe.eagle3.ttt_steps,
+        "draft_vocab_size": recipe.eagle3.draft_vocab_size,
+        "precision": trainer.acc.mixed_precision,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "seconds_per_step": seconds / args.steps,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "cuda_peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
+    }
+    print(json.dumps(result))
+    table = Table(title="EAGLE-3 training throughput")
+    for column in ("device", "precision", "batch", "tok/s", "s/step", "peak RSS MiB", "GPU peak MiB"):
+        table.add_column(column, justify="right")
+    gpu = f"{result['cuda_peak_mib']:.0f}" if result["cuda_peak_mib"] else "-"
+    table.add_row(
+        result["device"],
+        str(result["precision"]),
+        str(result["batch_size"]),
+        f"{result['tokens_per_s']:.0f}",
+        f"{result['seconds_per_step']:.2f}",
+        f"{result['peak_rss_mib']:.0f}",
+        gpu,
+    )
+    Console(stderr=True).print(table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Where training batches come from: generator shards (offline) or the target run in the loop (online).
+
+Both give the trainer the same thing: for an epoch, batches with a JSON-able position after each, so a
+checkpoint records exactly where to continue. Offline position: batch index. Online: [chunk, batch].
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from speculators_train.data.render import render
+from speculators_train.errors import UserError
+from speculators_train.hidden_states.generator import chunk_seed, chunks, load_splits, process_chunk
+from speculators_train.hidden_states.shards import HiddenStateShards
+from speculators_train.recipe import Recipe
+from speculators_train.training.data import collate, epoch_batches
+
+Batch = dict[str, torch.Tensor]
+
+
+class OfflineSource:
+    """Shards written by `generate`; batches are global batches split across ranks (see epoch_batches)."""
+
+    def __init__(self, recipe: Recipe, world: int, rank: int) -> None:
+        self.recipe, self.world, self.rank = recipe, world, rank
+        self.train = HiddenStateShards(recipe.hidden_states_dir, "train")
+        self.held_out = HiddenStateShards(recipe.hidden_states_dir, "held_out")
+
+    def _batches(self, epoch: int) -> list[list[int]]:
+        """A whole number of accumulation groups, so no gradient is left pending across epochs or checkpoints."""
+        cfg = self.recipe.training
+        batches = epoch_batches(
+            self.train.lengths, cfg.batch_size, self.recipe.seed, epoch, self.world, self.rank, cfg.length_bucketing
+        )
+        usable = len(batches) - len(batches) % cfg.gradient_accumulation_steps
+        if usable == 0:
+            raise UserError(f"{len(batches)} batches per rank: fewer than gradient_accumulation_steps")
+        return batches[:usable]
+
+    def batches_per_epoch(self) -> int:
+        return len(self._batches(0))
+
+    def epoch(self, epoch: int, position: Any) -> Iterator[tuple[Batch, Any]]:
+        batches = self._batches(epoch)
+        for index in range(position or 0, len(batches)):
+            yield collate([self.train[i] for i in batches[index]]), index + 1
+
+
+class OnlineSource:
+    """Records rendered and run through the target chunk by chunk, as `generate` would, kept in memory.
+
+    A chunk's content is a pure function of (seed, epoch, rank, chunk), so a resumed run recomputes the
+    chunk it stopped in and skips the batches already trained. Ranks agree on a common batch count per
+    chunk (a collective), since ranks may lose different numbers of records to skips.
+    """
+
+    def __init__(self, recipe: Recipe, target, world: int, rank: int, min_across_ranks) -> None:
+        self.recipe, self.target, self.world, self.rank = recipe, target, world, rank
+        self.min_across_ranks = min_across_ranks
+        splits = load_splits(recipe)
+        self.records = splits.train[rank::world]
+        if not self.records:
+            raise UserError("no training records for this rank: the data mix is smaller than the number of ranks")
+        held = splits.held_out[rank::world]
+        self.held_out = [
+            s
+            for k, chunk in enumerate(chunks(held, recipe.generation.samples_per_shard))
+            for s in process_chunk(recipe, target, chunk, chunk_seed(recipe, "held_out", rank, k)).samples
+        ]
+
+    def batches_per_epoch(self) -> int:
+        cfg = self.recipe.training
+        return math.ceil(len(self.records) / cfg.batch_size)
+
+    def epoch(self, epoch: int, position: Any) -> Iterator[tuple[Batch, Any]]:
+        cfg = self.recipe.training
+        records = list(self.records)
+        random.Random(f"{self.recipe.seed}:{epoch}").shuffle(records)
+        start_chunk, start_batch = position or (0, 0)
+        for k, chunk in enumerate(chunks(records, self.recipe.generation.samples_per_shard)):
+            if k < start_chunk:
+                continue
+            seed = chunk_seed(self.recipe, f"train-epoch{epoch}", self.rank, k)
+            samples = sorted(
+                process_chunk(self.recipe, self.target, chunk, seed).samples, key=lambda s: len(s["input_ids"])
+            )
+            batches = [samples[i : i + cfg.batch_size] for i in range(0, len(samples), cfg.batch_size)]
+            count = self.min_across_ranks(len(batches))
+            count -= count % cfg.gradient_accumulation_steps
+            for b in range(start_batch if k == start_chunk else 0, count):
+                yield collate(batches[b]), (k, b + 1)
+
+
+def token_frequencies(recipe: Recipe, tokenizer, vocab_size: int) -> torch.Tensor:
+    """Counts of loss-masked train tokens, as the generator's token_freq file holds (render only, no target)."""
+    from speculators_train.data.conversations import SkipReport
+
+    freq = torch.zeros(vocab_size, dtype=torch.int64)
+    data = recipe.data
+    for conv in load_splits(recipe).train:
+        sample = render(conv, tokenizer, data.max_length, data.overlong, SkipReport())
+        if sample is not None:
+            freq += torch.bincount(sample.input_ids[sample.loss_mask], minlength=vocab_size)
+    return freq
