@@ -25,7 +25,6 @@ from rich.console import Console
 from rich.table import Table
 
 from speculators_train.recipe import load_recipe
-from speculators_train.training.data import iter_batches
 from speculators_train.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +44,7 @@ def main() -> None:
         recipe = load_recipe(args.recipe, {**overrides, "output_dir": tmp, "training.wandb.mode": "disabled"})
         trainer = Trainer(recipe)
         model, device = trainer.model, trainer.acc.device
-        batches = iter_batches(trainer.train_set, trainer._batches(0))
+        batches = (batch for batch, _ in trainer.source.epoch(0, None))
 
         def step() -> int:
             batch = next(batches)

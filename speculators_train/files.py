@@ -61,3 +61,13 @@ def remove_stale_temporaries(directory: Path) -> int:
             tmp.unlink(missing_ok=True)
             removed += 1
     return removed
+
+
+def read_json(path: Path, what: str) -> Any:
+    """Parse a JSON file we wrote earlier; damage (a hand edit, a disk fault) gets a message naming it."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: {what} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: {what} is not valid JSON ({exc}); delete it to start that part over") from None

@@ -33,8 +33,8 @@ class Section(BaseModel):
         return self._source_path
 
     def resolve_path(self, value: str, key: str) -> Path:
-        """A path from this file: `pkg:PACKAGE/rel` (a file shipped in a Python package), absolute or
-        cwd-relative, else relative to the file's folder or its parent (recipes/ and data/ sit side by side)."""
+        """A file named in this YAML: `pkg:PACKAGE/rel` (shipped in a Python package), absolute, or relative to
+        this file's folder, then its parent (recipes/ and data/ sit side by side), then the working directory."""
         if value.startswith("pkg:"):
             package, _, rel = value[4:].partition("/")
             spec = importlib.util.find_spec(package)
@@ -43,11 +43,12 @@ class Section(BaseModel):
             candidates = [Path(next(iter(spec.submodule_search_locations))) / rel]
         else:
             path = Path(value).expanduser()
-            candidates = [path]
+            candidates = []
             if not path.is_absolute() and self.source_path is not None:
                 candidates += [self.source_path.parent / path, self.source_path.parent.parent / path]
+            candidates.append(path)
         for candidate in candidates:
-            if candidate.exists():
+            if candidate.is_file():
                 return candidate
         tried = ", ".join(str(c) for c in candidates)
         raise UserError(f"{self.source_path}: {key}: file {value!r} not found (tried {tried})")
@@ -123,7 +124,7 @@ class WandbConfig(Section):
 
 
 class DeepSpeedConfig(Section):
-    zero_stage: Literal[0, 1, 2, 3] = 2
+    zero_stage: Literal[0, 1, 2] = Field(2, description="ZeRO-3 would shard the draft's weights; not supported.")
     offload_optimizer: bool = False
 
 
@@ -181,6 +182,11 @@ class Recipe(Section):
     def _name(self) -> Recipe:
         if not self.name or "/" in self.name:
             raise ValueError("name must be a non-empty string without '/'")
+        if self.data.max_length <= self.eagle3.ttt_steps + 1:
+            raise ValueError(
+                f"data.max_length ({self.data.max_length}) must exceed eagle3.ttt_steps + 1 "
+                f"({self.eagle3.ttt_steps + 1})"
+            )
         return self
 
     @property

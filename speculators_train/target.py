@@ -167,11 +167,12 @@ class Target:
                 "only decoder-only transformers models are supported"
             )
         self._decoder = decoder
-        bad = [i for i in self.aux_layer_ids if i > self.num_layers]
+        # Id N (after the last layer) is excluded: engines capture aux states below N only.
+        bad = [i for i in self.aux_layer_ids if i >= self.num_layers]
         if bad:
             raise UserError(
                 f"target.aux_layer_ids: {bad} out of range for a target with {self.num_layers} layers "
-                f"(ids run 0..{self.num_layers})"
+                f"(ids run 0..{self.num_layers - 1})"
             )
 
     @property

@@ -163,6 +163,8 @@ def test_loss_mask_moves_with_the_predicted_token():
     _, metrics = ttt_loss(draft, batch, head, steps=3, decay=0.8)
     # Step i predicts x6 from chain j = 4 - i: exactly one trained token at each step.
     assert [int(metrics[f"n_{i}"]) for i in range(3)] == [1, 1, 1]
+    # Accuracy counts whole chains: none predicts assistant tokens at two consecutive steps here.
+    assert [int(metrics[f"chains_{i}"]) for i in range(3)] == [1, 0, 0]
 
 
 def test_targets_outside_draft_vocab_are_masked():
@@ -195,3 +197,4 @@ def test_step_weights_decay_and_metrics_summary():
     summary = summarize({k: float(v) for k, v in metrics.items()}, 3, k=2)
     assert summary["predicted_al_2"] == pytest.approx(1 + summary["full_acc_0"] + summary["full_acc_1"])
     assert summary["full_acc_1"] <= summary["full_acc_0"]
+    assert summary["vocab_coverage"] == pytest.approx(float(metrics["n_0"] / metrics["chains_0"]))

@@ -216,3 +216,17 @@ def test_two_rank_generation_matches_one_rank(generated, tmp_path):
         torch.testing.assert_close(sample["aux_hidden_states"], one[key]["aux_hidden_states"], rtol=1e-4, atol=1e-4)
     two_manifest = json.loads((directory / "manifest.json").read_text())
     assert two_manifest["splits"]["train"]["loss_tokens"] == manifest["splits"]["train"]["loss_tokens"]
+
+
+def test_damaged_manifest_and_progress_files_name_themselves(tmp_path):
+    from speculators_train.hidden_states.generator import Progress
+    from speculators_train.hidden_states.shards import read_manifest
+
+    (tmp_path / "manifest.json").write_text('{"format": "speculators_train.hidden_')
+    with pytest.raises(UserError, match=r"manifest\.json: hidden-state manifest is not valid JSON"):
+        read_manifest(tmp_path)
+    progress = tmp_path / "progress" / "rank000.json"
+    progress.parent.mkdir()
+    progress.write_text("")
+    with pytest.raises(UserError, match=r"rank000\.json: generation progress is not valid JSON"):
+        Progress(progress, {})

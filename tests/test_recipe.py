@@ -94,3 +94,9 @@ def test_deepspeed_stage_must_be_valid(tmp_path):
     path = write(tmp_path, "name: x\ndata: {mix: m.yaml}\ntraining: {deepspeed: {zero_stage: 5}}\n")
     with pytest.raises(UserError, match=r"training\.deepspeed\.zero_stage"):
         load_recipe(path)
+
+
+def test_max_length_must_leave_room_for_the_ttt_unroll(tmp_path):
+    path = write(tmp_path, "name: x\ndata: {mix: m.yaml, max_length: 8}\neagle3: {ttt_steps: 7}\n")
+    with pytest.raises(UserError, match=r"data\.max_length \(8\) must exceed eagle3\.ttt_steps \+ 1 \(8\)"):
+        load_recipe(path)

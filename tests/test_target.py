@@ -38,16 +38,19 @@ def test_aux_states_are_hf_hidden_states_at_recorded_ids_and_final_is_pre_norm(t
 def test_layer_id_zero_is_the_embeddings(target):
     from speculators_train.target import Target
 
-    t0 = Target(target.model, target.tokenizer, "x", None, [0, 30], target.device)
+    t0 = Target(target.model, target.tokenizer, "x", None, [0, 29], target.device)
     ids = torch.tensor([[1, 4093, 198, 6004, 2]])
-    aux, final = t0.hidden_states(ids, None)
+    aux, _ = t0.hidden_states(ids, None)
+    with torch.no_grad():
+        ref = target.model(ids, output_hidden_states=True).hidden_states
     torch.testing.assert_close(aux[..., :576], target.embed_tokens(ids))
-    torch.testing.assert_close(aux[..., 576:], final)
+    torch.testing.assert_close(aux[..., 576:], ref[29])
 
 
 def test_out_of_range_layer_ids_are_refused():
-    with pytest.raises(UserError, match=r"aux_layer_ids: \[31\] out of range for a target with 30 layers"):
-        load_target(TargetConfig(aux_layer_ids=[2, 31]))
+    # id 30 (after the last layer) is excluded too: engines capture aux states below N.
+    with pytest.raises(UserError, match=r"aux_layer_ids: \[30\] out of range for a target with 30 layers"):
+        load_target(TargetConfig(aux_layer_ids=[2, 30]))
 
 
 def test_gguf_is_converted_once_and_reused():

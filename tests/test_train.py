@@ -71,10 +71,11 @@ def test_tiny_draft_overfits_real_samples(tmp_path, states):
     trainer = Trainer(recipe)
     trainer.train()
     records = [json.loads(x) for x in (tmp_path / "run" / "train" / "metrics.jsonl").read_text().splitlines()]
-    train_acc = [r["train/full_acc_0"] for r in records if "train/full_acc_0" in r]
-    assert train_acc[-1] > 0.9, f"step-0 accuracy on the training samples only reached {train_acc[-1]:.3f}"
-    first, last = records[0]["loss"], [r["loss"] for r in records if "loss" in r][-1]
-    assert last < 0.2 * first
+    last = [r for r in records if "train/full_acc_0" in r][-1]
+    # Accuracy where the draft vocab can express the target's choice at all.
+    reachable = last["train/full_acc_0"] / last["train/vocab_coverage"]
+    assert reachable > 0.9, f"step-0 accuracy on the training samples only reached {reachable:.3f}"
+    assert last["loss"] < 0.2 * records[0]["loss"]
 
 
 def test_killed_run_resumes_with_the_same_loss_curve(tmp_path, states):
@@ -105,11 +106,12 @@ def test_killed_run_resumes_with_the_same_loss_curve(tmp_path, states):
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
 
 
-def two_ranks(recipe: Path) -> None:
+def two_ranks(recipe: Path, check: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "speculators_train"]
     result = subprocess.run([*torchrun, "train", str(recipe)], cwd=REPO, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0 or not check, result.stderr[-3000:]
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +130,10 @@ def test_two_cpu_ranks_match_one_rank_with_the_same_global_batch(tmp_path, state
     assert got.keys() == single_rank_losses.keys() and len(got) >= 4
     for step, expected in single_rank_losses.items():
         assert got[step] == pytest.approx(expected, rel=1e-4), f"step {step}"
+    if deepspeed:
+        # ZeRO shards optimizer state over ranks; its checkpoints say plainly that they cannot resume exactly.
+        rerun = two_ranks(two, check=False)
+        assert rerun.returncode != 0 and "holds no optimizer state" in rerun.stderr.replace("\n", " ")
 
 
 def test_best_checkpoint_survives_pruning_and_loads(tmp_path, states):
@@ -190,3 +196,40 @@ def test_online_training_writes_no_states_and_resumes_exactly(tmp_path, monkeypa
     assert got.keys() == expected.keys()
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-6), f"step {step}"
+
+
+def test_checkpoint_pointer_to_a_missing_step_falls_back_to_the_newest_complete(tmp_path):
+    from transformers import LlamaConfig
+
+    from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
+    from speculators_train.training.checkpoint import latest_checkpoint, save_checkpoint
+
+    config = Eagle3Config.for_target(
+        LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, vocab_size=40),
+        [1, 2, 3],
+        8,
+        False,
+    )
+    draft, root = Eagle3Draft(config), tmp_path / "checkpoints"
+    for step in (1, 2):
+        save_checkpoint(root, step, draft, None, {"step": step}, keep_last=5)
+    save_checkpoint(root, 2, draft, None, {"step": 2, "again": True}, keep_last=5)  # a re-save replaces in place
+    assert latest_checkpoint(root) == root / "step-000002"
+    assert not list(root.glob(".step-*"))
+    (root / "latest.json").write_text('{"step": 3}')  # killed between writing the pointer and the directory
+    assert latest_checkpoint(root) == root / "step-000002"
+    (root / "latest.json").write_text("{broken")
+    with pytest.raises(UserError, match=r"latest\.json: checkpoint pointer is not valid JSON"):
+        latest_checkpoint(root)
+
+
+def test_empty_held_out_split_is_refused_before_training(tmp_path, states):
+    import json as _json
+
+    recipe = load_recipe(run_recipe(tmp_path, states))
+    manifest_path = recipe.hidden_states_dir / "manifest.json"
+    manifest = _json.loads(manifest_path.read_text())
+    manifest["splits"]["held_out"]["shards"] = []
+    manifest_path.write_text(_json.dumps(manifest))
+    with pytest.raises(UserError, match="held-out split has no samples"):
+        Trainer(recipe)

@@ -22,6 +22,9 @@ def regenerate(
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator_seed)))
     messages = [list(c.messages) for c in conversations]
     device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if tokenizer.pad_token is None:  # e.g. Llama-3 tokenizers ship without one; batching needs it
+        tokenizer.pad_token = tokenizer.eos_token
     for turn in range(max((len(m) for m in messages), default=0)):
         todo = [i for i, m in enumerate(messages) if turn < len(m) and m[turn]["role"] == "assistant"]
         for start in range(0, len(todo), cfg.batch_size):
@@ -39,7 +42,7 @@ def regenerate(
                 temperature=cfg.temperature if cfg.temperature > 0 else None,
                 top_p=cfg.top_p if cfg.temperature > 0 else None,
                 top_k=None,
-                pad_token_id=tokenizer.pad_token_id,
+                pad_token_id=pad_id,
             )
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             for i, text, cut in zip(batch, texts, too_long.tolist(), strict=True):

@@ -27,7 +27,7 @@ from speculators_train.data.regenerate import regenerate
 from speculators_train.data.render import Sample, render
 from speculators_train.distributed import process_state
 from speculators_train.errors import UserError
-from speculators_train.files import atomic_write_bytes, atomic_write_json, remove_stale_temporaries
+from speculators_train.files import atomic_write_bytes, atomic_write_json, read_json, remove_stale_temporaries
 from speculators_train.hidden_states.shards import (
     FORMAT,
     MANIFEST,
@@ -165,11 +165,13 @@ class Progress:
     def __init__(self, path: Path, identity: dict[str, Any]) -> None:
         self.path = path
         if path.is_file():
-            state = json.loads(path.read_text())
-            check_identity(path, state["identity"], identity)
+            state = read_json(path, "generation progress")
+            check_identity(path, state.get("identity", {}), identity)
             self.state = state
         else:
+            # Written at once, so a rank with no records still leaves a file for rank 0 to merge.
             self.state = {"identity": identity, "shards": {s: [] for s in SPLITS}}
+            atomic_write_json(path, self.state)
 
     def done(self, split: str) -> int:
         return len(self.state["shards"][split])
@@ -258,7 +260,7 @@ def _finalize(out_dir: Path, identity: dict[str, Any], splits: Splits, world: in
     for split in SPLITS:
         shards = []
         for rank in range(world):
-            state = json.loads((out_dir / "progress" / f"rank{rank:03d}.json").read_text())
+            state = read_json(out_dir / "progress" / f"rank{rank:03d}.json", "generation progress")
             for entry in state["shards"][split]:
                 skips.merge(SkipReport.from_dict(entry.pop("skips")))
                 shards.append(entry)

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from speculators_train.errors import UserError
-from speculators_train.files import atomic_write_bytes, sha256_bytes, sha256_file
+from speculators_train.files import atomic_write_bytes, read_json, sha256_bytes, sha256_file
 
 FORMAT = "speculators_train.hidden_states"
 VERSION = 1
@@ -65,11 +65,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST
     if not path.is_file():
         raise UserError(f"{directory}: no {MANIFEST}; run `speculators-train generate <recipe>` first")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    manifest = read_json(path, "hidden-state manifest")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise UserError(f"{path}: not a {FORMAT} v{VERSION} manifest")
     return manifest
 
@@ -96,6 +93,8 @@ class HiddenStateShards(torch.utils.data.Dataset):
             if not entry["num_samples"]:
                 continue
             path = self.directory / split / entry["file"]
+            if not path.is_file():
+                raise UserError(f"{path}: listed in {MANIFEST} but missing; run `speculators-train validate`")
             with safe_open(path, framework="pt") as fh:
                 offsets = fh.get_tensor("offsets").tolist()
                 ids = json.loads(fh.metadata()["sample_ids"])

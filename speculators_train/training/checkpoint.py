@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from speculators_train.errors import UserError
-from speculators_train.files import atomic_write_json
+from speculators_train.files import atomic_write_json, read_json
 from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
 
 # The target's embedding is frozen and large; it is restored from the target, not stored per checkpoint.
@@ -30,19 +30,30 @@ def draft_state_dict(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(
-    root: Path, step: int, draft: Eagle3Draft, optimizer_state: dict[str, Any], state: dict[str, Any], keep_last: int
+    root: Path,
+    step: int,
+    draft: Eagle3Draft,
+    optimizer_state: dict[str, Any] | None,
+    state: dict[str, Any],
+    keep_last: int,
 ) -> Path:
-    """Write into a temporary directory, then rename: a kill leaves the previous checkpoint intact."""
+    """Write into a temporary directory, then rename into place; a kill at any point leaves a complete
+    checkpoint under every name `latest.json` can point at (re-saving a step moves the old copy aside first)."""
+    for stale in root.glob(".step-*"):  # left by a save that was killed
+        shutil.rmtree(stale, ignore_errors=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".step-{step:06d}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(draft_state_dict(draft), tmp / "model.safetensors")
     (tmp / "draft_config.json").write_text(json.dumps(draft.config.to_dict(), indent=2))
-    torch.save(optimizer_state, tmp / "optimizer.pt")
+    if optimizer_state is not None:
+        torch.save(optimizer_state, tmp / "optimizer.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-    shutil.rmtree(final, ignore_errors=True)
+    old = root / f".step-{step:06d}.old-{os.getpid()}"
+    if final.exists():
+        os.replace(final, old)
     os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
     atomic_write_json(root / "latest.json", {"step": step})
     _prune(root, keep_last)
     return final
@@ -57,26 +68,31 @@ def _prune(root: Path, keep_last: int) -> None:
 
 
 def read_pointer(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(path, "checkpoint pointer") if path.is_file() else None
+
+
+def _complete(path: Path) -> bool:
+    return all((path / name).is_file() for name in ("model.safetensors", "draft_config.json", "trainer_state.json"))
 
 
 def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint `latest.json` names; if that one is gone or incomplete, the newest complete one."""
     pointer = read_pointer(root / "latest.json")
-    if pointer is None:
-        return None
-    path = root / f"step-{pointer['step']:06d}"
-    if not path.is_dir():
-        raise UserError(f"{root / 'latest.json'} names {path.name}, which is missing; delete latest.json to restart")
-    return path
+    if pointer is not None:
+        path = root / f"step-{int(pointer['step']):06d}"
+        if _complete(path):
+            return path
+    complete = sorted((p for p in root.glob("step-*") if _complete(p)), key=lambda p: p.name)
+    return complete[-1] if complete else None
 
 
 def load_draft(path: Path, embed_weight: torch.Tensor | None = None) -> Eagle3Draft:
     """Rebuild a draft from a checkpoint directory (safetensors only: nothing is unpickled)."""
     try:
-        config = Eagle3Config(**json.loads((path / "draft_config.json").read_text()))
-        weights = load_file(path / "model.safetensors")
-    except (OSError, json.JSONDecodeError, TypeError) as exc:
-        raise UserError(f"{path}: not a readable draft checkpoint ({exc})") from None
+        config = Eagle3Config(**read_json(path / "draft_config.json", "draft config"))
+    except TypeError as exc:
+        raise UserError(f"{path / 'draft_config.json'}: not an EAGLE-3 draft config ({exc})") from None
+    weights = load_draft_weights(path)
     draft = Eagle3Draft(config)
     missing, unexpected = draft.load_state_dict(weights, strict=False)
     missing = [k for k in missing if k not in NOT_SAVED]
@@ -88,6 +104,20 @@ def load_draft(path: Path, embed_weight: torch.Tensor | None = None) -> Eagle3Dr
     return draft
 
 
-def load_training_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-    return optimizer_state, json.loads((path / "trainer_state.json").read_text())
+def load_draft_weights(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path / "model.safetensors")
+    except OSError as exc:
+        raise UserError(f"{path / 'model.safetensors'}: unreadable checkpoint weights ({exc})") from None
+
+
+def load_training_state(path: Path) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """Optimizer/scheduler/RNG state (None if the checkpoint has none) and the trainer's JSON state."""
+    state = read_json(path / "trainer_state.json", "trainer state")
+    optimizer_file = path / "optimizer.pt"
+    if not optimizer_file.is_file():
+        return None, state
+    try:
+        return torch.load(optimizer_file, map_location="cpu", weights_only=True), state
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError for damaged files
+        raise UserError(f"{optimizer_file}: unreadable optimizer state ({exc})") from None

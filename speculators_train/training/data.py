@@ -7,7 +7,7 @@ batches the interrupted one would have seen, starting at the recorded batch inde
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -53,8 +53,3 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         out[key] = padded
     out["lengths"] = torch.tensor([len(s["input_ids"]) for s in samples])
     return out
-
-
-def iter_batches(dataset, batches: list[list[int]], start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-    for batch in batches[start:]:
-        yield collate([dataset[i] for i in batch])

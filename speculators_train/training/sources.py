@@ -62,10 +62,10 @@ class OnlineSource:
     def __init__(self, recipe: Recipe, target, world: int, rank: int, min_across_ranks) -> None:
         self.recipe, self.target, self.world, self.rank = recipe, target, world, rank
         self.min_across_ranks = min_across_ranks
-        splits = load_splits(recipe)
+        self.splits = splits = load_splits(recipe)
+        if len(splits.train) < world:
+            raise UserError(f"{len(splits.train)} training records cannot feed {world} ranks")
         self.records = splits.train[rank::world]
-        if not self.records:
-            raise UserError("no training records for this rank: the data mix is smaller than the number of ranks")
         held = splits.held_out[rank::world]
         self.held_out = [
             s
@@ -73,18 +73,24 @@ class OnlineSource:
             for s in process_chunk(recipe, target, chunk, chunk_seed(recipe, "held_out", rank, k)).samples
         ]
 
+        # Every rank walks the same number of chunks (a short rank gets empty ones), so the per-chunk
+        # collective in `epoch` is called equally often everywhere.
+        per_rank = math.ceil(len(splits.train) / world)
+        self.num_chunks = math.ceil(per_rank / recipe.generation.samples_per_shard)
+
     def batches_per_epoch(self) -> int:
-        cfg = self.recipe.training
-        return math.ceil(len(self.records) / cfg.batch_size)
+        """An upper estimate for the LR schedule (skipped records and trimming make epochs a little shorter),
+        the same on every rank so all ranks build the same schedule."""
+        return self.min_across_ranks(math.ceil(len(self.records) / self.recipe.training.batch_size))
 
     def epoch(self, epoch: int, position: Any) -> Iterator[tuple[Batch, Any]]:
         cfg = self.recipe.training
         records = list(self.records)
         random.Random(f"{self.recipe.seed}:{epoch}").shuffle(records)
         start_chunk, start_batch = position or (0, 0)
-        for k, chunk in enumerate(chunks(records, self.recipe.generation.samples_per_shard)):
-            if k < start_chunk:
-                continue
+        size = self.recipe.generation.samples_per_shard
+        for k in range(start_chunk, self.num_chunks):
+            chunk = records[k * size : (k + 1) * size]
             seed = chunk_seed(self.recipe, f"train-epoch{epoch}", self.rank, k)
             samples = sorted(
                 process_chunk(self.recipe, self.target, chunk, seed).samples, key=lambda s: len(s["input_ids"])
@@ -96,13 +102,15 @@ class OnlineSource:
                 yield collate(batches[b]), (k, b + 1)
 
 
-def token_frequencies(recipe: Recipe, tokenizer, vocab_size: int) -> torch.Tensor:
-    """Counts of loss-masked train tokens, as the generator's token_freq file holds (render only, no target)."""
+def token_frequencies(recipe: Recipe, splits, tokenizer, vocab_size: int) -> torch.Tensor:
+    """Counts of loss-masked train tokens, as the generator's token_freq file holds (render only, no target).
+
+    With data.regenerate on, these are the dataset's replies, not the target's (which do not exist yet)."""
     from speculators_train.data.conversations import SkipReport
 
     freq = torch.zeros(vocab_size, dtype=torch.int64)
     data = recipe.data
-    for conv in load_splits(recipe).train:
+    for conv in splits.train:
         sample = render(conv, tokenizer, data.max_length, data.overlong, SkipReport())
         if sample is not None:
             freq += torch.bincount(sample.input_ids[sample.loss_mask], minlength=vocab_size)

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_json
-from speculators_train.hidden_states.generator import data_fingerprint, load_splits
+from speculators_train.hidden_states.generator import data_fingerprint
 from speculators_train.hidden_states.shards import TOKEN_FREQ, read_manifest
 from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
 from speculators_train.models.vocab import build_vocab_mapping, draft_to_target
@@ -66,6 +66,13 @@ def _check_manifest(recipe: Recipe, manifest: dict[str, Any], directory: Path) -
         problems.append(f"target {identity['name_or_path']!r} there, {recipe.target.name_or_path!r} in the recipe")
     if wanted is not None and identity["aux_layer_ids"] != wanted:
         problems.append(f"aux_layer_ids {identity['aux_layer_ids']} there, {wanted} in the recipe")
+    data = recipe.data
+    current = {"max_length": data.max_length, "overlong": data.overlong, "regenerate": data.regenerate.model_dump()}
+    problems += [
+        f"data.{key} {identity[key]!r} there, {value!r} in the recipe"
+        for key, value in current.items()
+        if identity.get(key) != value
+    ]
     if problems:
         raise UserError(f"{directory} was generated for another setup: " + "; ".join(problems))
 
@@ -103,8 +110,13 @@ def resume_identity(recipe: Recipe, data_fingerprint: str, world: int) -> dict[s
         "learning_rate": t.learning_rate,
         "batch_size": t.batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "weight_decay": t.weight_decay,
+        "length_bucketing": t.length_bucketing,
         "world_size": world,
+        "deepspeed": t.deepspeed.model_dump() if t.deepspeed else None,
         "hidden_states": recipe.generation.hidden_states,
+        "samples_per_shard": recipe.generation.samples_per_shard,
+        "data": recipe.data.model_dump(exclude={"mix"}),
         "data_fingerprint": data_fingerprint,
     }
 
@@ -133,14 +145,24 @@ class Trainer:
 
             target = load_target(recipe.target)
             self.source = OnlineSource(recipe, target, world, rank, self._min_across_ranks)
-            freq = token_frequencies(recipe, target.tokenizer, target.vocab_size)
+            if recipe.data.regenerate.enabled:
+                log.warning("online + regenerate: the draft vocabulary is counted on the dataset's replies")
+            freq = token_frequencies(recipe, self.source.splits, target.tokenizer, target.vocab_size)
             target_config, aux_ids = target.config, target.aux_layer_ids
             weights = {
                 "embed": target.embed_tokens.weight.detach().float().cpu(),
                 "norm": target.final_norm.weight.detach().float().cpu(),
                 "lm_head": target.lm_head.weight.detach().float().cpu(),
             }
-            fingerprint = data_fingerprint(load_splits(recipe))
+            fingerprint = data_fingerprint(self.source.splits)
+        held_out = len(self.source.held_out)
+        if isinstance(self.source, OnlineSource):
+            held_out = int(self.acc.reduce(torch.tensor(held_out, device=self.acc.device), reduction="sum"))
+        if held_out == 0:
+            raise UserError(
+                f"{recipe.source_path}: the held-out split has no samples, so nothing can be validated "
+                "or kept as best; raise data.held_out_fraction"
+            )
         self.identity = resume_identity(recipe, fingerprint, world)
         objective = build_objective(recipe, target_config, weights, freq, aux_ids)
         params = objective.draft.trainable_parameters()
@@ -181,12 +203,17 @@ class Trainer:
         if path is None:
             return
         optimizer_state, state = ckpt.load_training_state(path)
-        diffs = {k: (state["identity"].get(k), v) for k, v in self.identity.items() if state["identity"].get(k) != v}
+        stored = state.get("identity", {})
+        diffs = {k: (stored.get(k), v) for k, v in self.identity.items() if stored.get(k) != v}
         if diffs:
             detail = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in diffs.items())
             raise UserError(f"{path} was trained with other settings ({detail}); use another output_dir")
-        weights = ckpt.load_draft(path).state_dict()
-        weights.pop("embed_tokens.weight")
+        if optimizer_state is None:
+            raise UserError(
+                f"{path} holds no optimizer state (DeepSpeed runs do not save a resumable one yet), so it cannot "
+                "continue exactly; start a new output_dir, or delete its checkpoints to retrain"
+            )
+        weights = ckpt.load_draft_weights(path)
         self.draft.load_state_dict(weights, strict=False)
         self.optimizer.load_state_dict(optimizer_state["optimizer"])
         self.scheduler.load_state_dict(optimizer_state["scheduler"])
@@ -199,11 +226,14 @@ class Trainer:
     def _save(self) -> None:
         self.acc.wait_for_everyone()
         if self.acc.is_main_process:
-            optimizer_state = {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state(),
-            }
+            # Under ZeRO rank 0 holds only its shard of the optimizer state: write none rather than a wrong one.
+            optimizer_state = None
+            if self.cfg.deepspeed is None:
+                optimizer_state = {
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "torch_rng": torch.get_rng_state(),
+                }
             ckpt.save_checkpoint(
                 self.ckpt_dir, self.state["step"], self.draft, optimizer_state, self.state, self.cfg.keep_last
             )
@@ -226,34 +256,36 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
+        """Held-out metrics summed over this rank's samples, then over ranks (every rank reduces, even with none)."""
         self.model.eval()
         held_out = self.source.held_out
         # Offline: every rank sees all shards, so take this rank's share; online samples are per rank already.
         indices = list(range(len(held_out)))
         if isinstance(self.source, OfflineSource):
             indices = indices[self.acc.process_index :: self.acc.num_processes]
-        sums: dict[str, torch.Tensor] = {}
+        steps = self.recipe.eagle3.ttt_steps
+        zero = torch.zeros((), device=self.acc.device)
+        sums = {f"{name}_{i}": zero for name in ("loss", "n", "full", "chains", "cond_n") for i in range(steps)}
         for k in range(0, len(indices), self.cfg.batch_size):
             batch = collate([held_out[i] for i in indices[k : k + self.cfg.batch_size]])
             _, metrics = self.model(self._to_device(batch))
             for key, value in metrics.items():
-                sums[key] = sums.get(key, 0) + value
+                sums[key] = sums[key] + value
         self.model.train()
-        if not sums:
-            raise UserError("the held-out split is empty: raise data.held_out_fraction")
-        return summarize(self._sum(sums), self.recipe.eagle3.ttt_steps, self.recipe.eval.num_speculative_tokens)
+        return summarize(self._sum(sums), steps, self.recipe.eval.num_speculative_tokens)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.acc.device, non_blocking=True) for k, v in batch.items()}
 
     def _evaluate(self) -> dict[str, float]:
-        """Validate on the held-out split; a better predicted acceptance length marks this step as best."""
+        """Validate on the held-out split; a better predicted acceptance length is checkpointed as the best."""
         metrics = self.validate()
         key = f"predicted_al_{min(self.recipe.eval.num_speculative_tokens, self.recipe.eagle3.ttt_steps)}"
         self._log({"step": self.state["step"], **{f"val/{k}": v for k, v in metrics.items()}})
         best = self.state["best"]
         if best is None or metrics[key] > best["value"]:
             self.state["best"] = {"step": self.state["step"], "metric": key, "value": metrics[key]}
+            self._save()
         return metrics
 
     def train(self) -> dict[str, float]:
@@ -304,15 +336,17 @@ class Trainer:
                 }
                 if state["step"] % cfg.log_every_steps == 0 or state["step"] == self.total_steps:
                     summary = summarize(self._sum(sums), self.recipe.eagle3.ttt_steps)
-                    record.update({f"train/{k}": v for k, v in summary.items() if "acc" in k})
+                    record.update({f"train/{k}": v for k, v in summary.items() if "acc" in k or k == "vocab_coverage"})
                     sums = {}
                 self._log(record)
                 bar.update(1)
                 bar.set_postfix(tok_s=f"{rate:.0f}", loss=f"{record['loss']:.3f}")
                 losses, tokens, started = [], 0, time.perf_counter()
+                saved_before = state["best"]
                 if cfg.eval_every_steps and state["step"] % cfg.eval_every_steps == 0:
                     metrics = self._evaluate()
-                if cfg.save_every_steps and state["step"] % cfg.save_every_steps == 0:
+                new_best = state["best"] is not saved_before
+                if cfg.save_every_steps and state["step"] % cfg.save_every_steps == 0 and not new_best:
                     self._save()
                 if state["step"] >= self.total_steps:
                     finished_epoch = False
@@ -321,8 +355,10 @@ class Trainer:
             if finished_epoch:
                 state["epoch"] += 1
                 state["position"] = None
+            best_before = state["best"]
             metrics = self._evaluate()
-            self._save()
+            if state["best"] is best_before:
+                self._save()
         bar.close()
         if self.wandb is not None:
             self.wandb.finish()

@@ -45,7 +45,8 @@ class Aligned:
     aux: torch.Tensor  # [B, L, A*H] g_j
     positions: torch.Tensor  # [B, L] j+1
     target_probs: torch.Tensor  # [B, L, draft_vocab] target distribution over the draft vocab
-    valid: torch.Tensor  # [B, L] bool: predicted token is trained on and its target top-1 is in the draft vocab
+    trained: torch.Tensor  # [B, L] bool: the predicted token is an assistant token (loss mask l_{j+2})
+    valid: torch.Tensor  # [B, L] bool: trained, and the target's top-1 is in the draft vocab
 
 
 def align(batch: dict[str, torch.Tensor], head: TargetHead, draft: Eagle3Draft) -> Aligned:
@@ -57,7 +58,7 @@ def align(batch: dict[str, torch.Tensor], head: TargetHead, draft: Eagle3Draft) 
         in_vocab = draft.t2d[logits.argmax(-1)]
         probs = torch.softmax(logits[..., draft_to_target(draft.d2t)], dim=-1)
     positions = torch.arange(1, length + 1, device=ids.device).expand(ids.shape[0], -1)
-    return Aligned(ids[:, 1:], aux[:, :-1], positions, probs, predicted_mask & in_vocab)
+    return Aligned(ids[:, 1:], aux[:, :-1], positions, probs, predicted_mask, predicted_mask & in_vocab)
 
 
 def ttt_loss(
@@ -71,43 +72,47 @@ def ttt_loss(
     """Weighted soft cross-entropy over the unrolled steps, and (numerator, denominator) metric sums.
 
     Returned metrics are sums, so they can be added over batches and ranks before dividing:
-    `loss_i` (sum of per-token CE), `n_i` (trained tokens), `full_i` (chains right at all steps <= i),
-    `cond_n_i` (chains right before step i; cond_acc_i = full_i / cond_n_i).
+    `loss_i` / `n_i` (per-token CE over trained in-vocab tokens), `full_i` / `chains_i` (chains whose
+    steps 0..i are all assistant tokens, and all right: a target outside the draft vocab counts as a
+    miss, as it would at inference), `cond_n_i` (chains right before step i; cond_acc_i = full_i / cond_n_i).
     """
     a = align(batch, head, draft)
     logits = draft.ttt_forward(a.tokens, a.aux.to(draft.fc.weight.dtype), a.positions, steps)
     length = a.tokens.shape[1]
+    counts = torch.stack([a.valid[:, i:].sum() for i in range(steps)])
+    denominators = _global_counts(counts) if across_ranks else counts.clamp(min=1)
     total = torch.zeros((), device=a.tokens.device)
     metrics: dict[str, torch.Tensor] = {}
-    chain_ok = a.valid.clone()  # chain j still fully right (and trained) so far
+    chain_ok = torch.ones_like(a.valid)  # chain j right (and trained) at every step so far
+    chain_in = torch.ones_like(a.trained)  # chain j predicts assistant tokens at every step so far
     for i, step_logits in enumerate(logits):
         n = length - i
         lg = step_logits[:, :n].float()
         target = a.target_probs[:, i:]
         m = a.valid[:, i:]
         ce = -(target * torch.log_softmax(lg, dim=-1)).sum(-1)  # [B, n]
-        count = m.sum()
-        denominator = _global_count(count) if across_ranks else count.clamp(min=1)
-        total = total + decay**i * (ce * m).sum() / denominator
+        total = total + decay**i * (ce * m).sum() / denominators[i]
         correct = lg.argmax(-1) == target.argmax(-1)
         prev = chain_ok[:, :n]
-        metrics[f"loss_{i}"] = (ce * m).sum().detach()
-        metrics[f"n_{i}"] = count.detach().float()
+        chain_in = chain_in[:, :n] & a.trained[:, i:]
+        metrics[f"cond_n_{i}"] = (prev & chain_in).sum().float()  # chains still alive when step i starts
         chain_ok = prev & correct & m
-        metrics[f"full_{i}"] = chain_ok.sum().float()  # right at every step <= i
-        metrics[f"cond_n_{i}"] = (prev & m).sum().float()  # chains still alive when step i starts
+        metrics[f"loss_{i}"] = (ce * m).sum().detach()
+        metrics[f"n_{i}"] = counts[i].float()
+        metrics[f"full_{i}"] = (chain_ok & chain_in).sum().float()
+        metrics[f"chains_{i}"] = chain_in.sum().float()
     return total, metrics
 
 
-def _global_count(count: torch.Tensor) -> torch.Tensor:
-    """Token count over all ranks, divided by the world size: DDP averages gradients over ranks, so the
-    per-rank loss sum / this equals the single-process mean over the whole global batch."""
+def _global_counts(counts: torch.Tensor) -> torch.Tensor:
+    """Per-step token counts over all ranks, divided by the world size: DDP averages gradients over ranks,
+    so a rank's loss sum / this equals the single-process mean over the whole global batch."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return count.clamp(min=1)
-    # A collective: every rank calls it once per step (training batches are equal in number per rank).
-    total = count.detach().clone()
+        return counts.clamp(min=1)
+    # One collective per micro-batch; every rank runs the same number of training micro-batches.
+    total = counts.detach().clone()
     dist.all_reduce(total)
     return (total / dist.get_world_size()).clamp(min=1)
 
@@ -122,8 +127,10 @@ def summarize(sums: dict[str, float], steps: int, k: int | None = None) -> dict[
     for i in range(steps):
         n = max(sums[f"n_{i}"], 1.0)
         out[f"loss_{i}"] = sums[f"loss_{i}"] / n
-        out[f"full_acc_{i}"] = sums[f"full_{i}"] / n
+        out[f"full_acc_{i}"] = sums[f"full_{i}"] / max(sums[f"chains_{i}"], 1.0)
         out[f"cond_acc_{i}"] = sums[f"full_{i}"] / max(sums[f"cond_n_{i}"], 1.0)
+    # Share of trained tokens the draft vocab can express at all: a ceiling on full_acc_0.
+    out["vocab_coverage"] = sums["n_0"] / max(sums["chains_0"], 1.0)
     k = steps if k is None else min(k, steps)
     out[f"predicted_al_{k}"] = 1.0 + sum(out[f"full_acc_{i}"] for i in range(k))
     return out
