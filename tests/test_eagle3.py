@@ -198,3 +198,26 @@ def test_step_weights_decay_and_metrics_summary():
     assert summary["predicted_al_2"] == pytest.approx(1 + summary["full_acc_0"] + summary["full_acc_1"])
     assert summary["full_acc_1"] <= summary["full_acc_0"]
     assert summary["vocab_coverage"] == pytest.approx(float(metrics["n_0"] / metrics["chains_0"]))
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    head = head_for(tiny_draft())
+    batch = {
+        "input_ids": torch.randint(0, V, (2, 9)),
+        "aux_hidden_states": torch.randn(2, 9, AUX * H).double(),
+        "hidden_state": torch.randn(2, 9, H).double(),
+        "loss_mask": torch.ones(2, 9, dtype=torch.bool),
+    }
+    results = []
+    for flag in (False, True):
+        draft = tiny_draft(seed=3)
+        draft.gradient_checkpointing = flag
+        draft.train()
+        loss, _ = ttt_loss(draft, batch, head, steps=3, decay=0.8)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and "fc.weight" in grads_a
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], msg=name)

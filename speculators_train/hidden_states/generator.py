@@ -39,6 +39,7 @@ from speculators_train.hidden_states.shards import (
     write_shard,
 )
 from speculators_train.recipe import Recipe
+from speculators_train.runinfo import write_run_info
 from speculators_train.target import DTYPES, Target, load_target
 
 log = logging.getLogger(__name__)
@@ -201,6 +202,7 @@ def generate(recipe: Recipe) -> dict[str, Any]:
             log.info("%s is already complete; nothing to do", out_dir)
             return manifest
     if state.is_main_process:
+        write_run_info(out_dir, recipe.model_dump(mode="json"))
         removed = remove_stale_temporaries(out_dir)
         if removed:
             log.info("removed %d partial files left by an interrupted run", removed)

@@ -171,7 +171,9 @@ class Eagle3Draft(nn.Module):
         cos, sin = self.rotary_emb(hidden, positions)
         layer = self.layers[0]
         if self.gradient_checkpointing and self.training:
-            out, kv = checkpoint(layer, embeds, hidden, cos, sin, past, use_reentrant=False)
+            # A snapshot of `past`: the caller appends later steps to its list, and the recomputation in
+            # backward must see the keys this step saw.
+            out, kv = checkpoint(layer, embeds, hidden, cos, sin, list(past), use_reentrant=False)
         else:
             out, kv = layer(embeds, hidden, cos, sin, past)
         return out, self.lm_head(self.norm(out)), kv

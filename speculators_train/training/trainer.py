@@ -25,6 +25,7 @@ from speculators_train.hidden_states.shards import TOKEN_FREQ, read_manifest
 from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
 from speculators_train.models.vocab import build_vocab_mapping, draft_to_target
 from speculators_train.recipe import Recipe
+from speculators_train.runinfo import write_run_info
 from speculators_train.target import load_head_weights
 from speculators_train.training import checkpoint as ckpt
 from speculators_train.training.data import collate
@@ -292,6 +293,8 @@ class Trainer:
         """Epochs of micro-batches; validate, keep the best and checkpoint at each epoch end and at the budget."""
         cfg, state = self.cfg, self.state
         self.wandb = self._init_wandb()
+        if self.acc.is_main_process:
+            write_run_info(self.run_dir, self.recipe.model_dump(mode="json"))
         bar = tqdm(
             total=self.total_steps,
             initial=state["step"],
