@@ -4,11 +4,11 @@
 
 Three phases, each in its own subprocess (so peak memory is per phase), over the first N train records
 of the recipe's data (held-out emptied), split into shard-sized chunks and grouped by
-`generator._batches` with `generation.max_tokens_per_batch`, exactly as the generator does:
+`generator.padded_batches` with `generation.max_tokens_per_batch`, exactly as the generator does:
 
 - raw_forward: `target.model(input_ids, attention_mask)`, the full HF CausalLM forward with logits;
 - raw_body:    `target.model.get_decoder()(input_ids, attention_mask, use_cache=False)`, no lm_head;
-- generator:   `generator._run_rank` end to end on a temporary output_dir (render, capture, copy to
+- generator:   `generator.run_rank` end to end on a temporary output_dir (render, capture, copy to
   CPU in storage_dtype, background shard writes with fsync); target loading is not timed.
 
 Raw phases time only the forwards (inputs are built and moved to the device beforehand). Each phase
@@ -67,15 +67,9 @@ def _forward_batches(recipe: Recipe, target: Target, splits: Splits) -> Iterator
         skips = SkipReport()
         rendered = [render(c, target.tokenizer, data.max_length, data.overlong, skips) for c in chunk]
         samples = [s for s in rendered if s is not None]
-        for batch in generator._batches(samples, recipe.generation.max_tokens_per_batch):
-            lengths = [len(samples[i].input_ids) for i in batch]
-            ids = torch.zeros(len(batch), max(lengths), dtype=torch.int64)
-            mask = torch.zeros_like(ids)
-            for row, (i, n) in enumerate(zip(batch, lengths, strict=True)):
-                ids[row, :n] = samples[i].input_ids
-                mask[row, :n] = 1
-            attention = mask.to(target.device) if min(lengths) < max(lengths) else None
-            yield ids.to(target.device), attention, sum(lengths)
+        max_tokens = recipe.generation.max_tokens_per_batch
+        for _, lengths, ids, attention in generator.padded_batches(samples, max_tokens, target.device):
+            yield ids, attention, sum(lengths)
 
 
 def _sync(device: torch.device) -> None:
@@ -126,7 +120,7 @@ def _raw_phase(args: argparse.Namespace, body: bool) -> dict[str, Any]:
 
 
 def _generator_phase(args: argparse.Namespace) -> dict[str, Any]:
-    """Time `_run_rank` (what `generate` does per rank) with the target already loaded, on a temp dir."""
+    """Time `run_rank` (what `generate` does per rank) with the target already loaded, on a temp dir."""
     with tempfile.TemporaryDirectory(prefix="bench_generate-") as tmp:
         recipe, splits, target = _setup(args, {"output_dir": tmp})
         identity = generator.generation_identity(recipe, target, splits, 1)
@@ -135,7 +129,7 @@ def _generator_phase(args: argparse.Namespace) -> dict[str, Any]:
         target.hidden_states(ids, mask)
         _sync(target.device)
         start = time.perf_counter()
-        generator._run_rank(recipe, target, splits, progress, rank=0, world=1, show=False)
+        generator.run_rank(recipe, target, splits, progress, rank=0, world=1, show=False)
         _sync(target.device)
         seconds = time.perf_counter() - start
         shards = progress.state["shards"]["train"]

@@ -102,9 +102,10 @@ def _batches(samples: list[Sample], max_tokens: int) -> Iterator[list[int]]:
         yield batch
 
 
-def capture(target: Target, samples: list[Sample], max_tokens: int, dtype: torch.dtype) -> list[dict[str, Any]]:
-    """Hidden states for each sample (original order), unpadded, on CPU in the storage dtype."""
-    out: list[dict[str, Any] | None] = [None] * len(samples)
+def padded_batches(
+    samples: list[Sample], max_tokens: int, device: torch.device
+) -> Iterator[tuple[list[int], list[int], torch.Tensor, torch.Tensor | None]]:
+    """(sample indices, lengths, right-padded ids, attention mask or None when nothing is padded) per batch."""
     for batch in _batches(samples, max_tokens):
         lengths = [len(samples[i].input_ids) for i in batch]
         ids = torch.zeros(len(batch), max(lengths), dtype=torch.int64)
@@ -112,8 +113,14 @@ def capture(target: Target, samples: list[Sample], max_tokens: int, dtype: torch
         for row, (i, n) in enumerate(zip(batch, lengths, strict=True)):
             ids[row, :n] = samples[i].input_ids
             mask[row, :n] = 1
-        attention = mask.to(target.device) if min(lengths) < max(lengths) else None
-        aux, final = target.hidden_states(ids.to(target.device), attention)
+        yield batch, lengths, ids.to(device), mask.to(device) if min(lengths) < max(lengths) else None
+
+
+def capture(target: Target, samples: list[Sample], max_tokens: int, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Hidden states for each sample (original order), unpadded, on CPU in the storage dtype."""
+    out: list[dict[str, Any] | None] = [None] * len(samples)
+    for batch, lengths, ids, attention in padded_batches(samples, max_tokens, target.device):
+        aux, final = target.hidden_states(ids, attention)
         aux, final = aux.to(dtype).cpu(), final.to(dtype).cpu()
         for row, (i, n) in enumerate(zip(batch, lengths, strict=True)):
             out[i] = {
@@ -208,14 +215,14 @@ def generate(recipe: Recipe) -> dict[str, Any]:
             log.info("removed %d partial files left by an interrupted run", removed)
     state.wait_for_everyone()
     progress = Progress(out_dir / "progress" / f"rank{rank:03d}.json", identity)
-    _run_rank(recipe, target, splits, progress, rank, world, state.is_local_main_process)
+    run_rank(recipe, target, splits, progress, rank, world, state.is_local_main_process)
     state.wait_for_everyone()
     manifest = _finalize(out_dir, identity, splits, world) if state.is_main_process else {}
     state.wait_for_everyone()
     return manifest
 
 
-def _run_rank(
+def run_rank(
     recipe: Recipe, target: Target, splits: Splits, progress: Progress, rank: int, world: int, show: bool
 ) -> None:
     size = recipe.generation.samples_per_shard
