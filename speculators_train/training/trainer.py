@@ -278,8 +278,9 @@ class Trainer:
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.acc.device, non_blocking=True) for k, v in batch.items()}
 
-    def _evaluate(self) -> dict[str, float]:
-        """Validate on the held-out split; a better predicted acceptance length is checkpointed as the best."""
+    def _evaluate(self) -> tuple[dict[str, float], bool]:
+        """Validate on the held-out split; a better predicted acceptance length is checkpointed as the best.
+        Returns the metrics and whether this step was just saved."""
         metrics = self.validate()
         key = f"predicted_al_{min(self.recipe.eval.num_speculative_tokens, self.recipe.eagle3.ttt_steps)}"
         self._log({"step": self.state["step"], **{f"val/{k}": v for k, v in metrics.items()}})
@@ -287,7 +288,8 @@ class Trainer:
         if best is None or metrics[key] > best["value"]:
             self.state["best"] = {"step": self.state["step"], "metric": key, "value": metrics[key]}
             self._save()
-        return metrics
+            return metrics, True
+        return metrics, False
 
     def train(self) -> dict[str, float]:
         """Epochs of micro-batches; validate, keep the best and checkpoint at each epoch end and at the budget."""
@@ -345,11 +347,10 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(tok_s=f"{rate:.0f}", loss=f"{record['loss']:.3f}")
                 losses, tokens, started = [], 0, time.perf_counter()
-                saved_before = state["best"]
+                saved = False
                 if cfg.eval_every_steps and state["step"] % cfg.eval_every_steps == 0:
-                    metrics = self._evaluate()
-                new_best = state["best"] is not saved_before
-                if cfg.save_every_steps and state["step"] % cfg.save_every_steps == 0 and not new_best:
+                    metrics, saved = self._evaluate()
+                if cfg.save_every_steps and state["step"] % cfg.save_every_steps == 0 and not saved:
                     self._save()
                 if state["step"] >= self.total_steps:
                     finished_epoch = False
@@ -358,9 +359,8 @@ class Trainer:
             if finished_epoch:
                 state["epoch"] += 1
                 state["position"] = None
-            best_before = state["best"]
-            metrics = self._evaluate()
-            if state["best"] is best_before:
+            metrics, saved = self._evaluate()
+            if not saved:
                 self._save()
         bar.close()
         if self.wandb is not None:
