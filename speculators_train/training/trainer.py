@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 def _accelerator(recipe: Recipe):
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin
+    from accelerate.utils import DeepSpeedPlugin, DistributedType
 
     cfg = recipe.training
     cuda = torch.cuda.is_available() and recipe.target.device != "cpu"
@@ -51,12 +52,21 @@ def _accelerator(recipe: Recipe):
             offload_optimizer_device="cpu" if cfg.deepspeed.offload_optimizer else "none",
         )
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.batch_size
-    return Accelerator(
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        plugin.deepspeed_config["train_batch_size"] = cfg.batch_size * cfg.gradient_accumulation_steps * world
+    accelerator = Accelerator(
         cpu=not cuda,
         mixed_precision=precision,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         deepspeed_plugin=plugin,
     )
+    if plugin is not None and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        raise UserError(
+            f"{recipe.source_path}: training.deepspeed is set but accelerate did not engage DeepSpeed "
+            f"(it runs as {accelerator.distributed_type}); DeepSpeed runs need CUDA here, use DDP on CPU "
+            "(remove training.deepspeed)"
+        )
+    return accelerator
 
 
 def _check_manifest(recipe: Recipe, manifest: dict[str, Any], directory: Path) -> None:
