@@ -24,12 +24,16 @@ Batch = dict[str, torch.Tensor]
 
 
 class OfflineSource:
-    """Shards written by `generate`; batches are global batches split across ranks (see epoch_batches)."""
+    """Shards written by `generate`; batches are global batches split across ranks (see epoch_batches).
+
+    Like OnlineSource, `held_out` holds this rank's share of the held-out samples."""
 
     def __init__(self, recipe: Recipe, world: int, rank: int) -> None:
         self.recipe, self.world, self.rank = recipe, world, rank
         self.train = HiddenStateShards(recipe.hidden_states_dir, "train")
-        self.held_out = HiddenStateShards(recipe.hidden_states_dir, "held_out")
+        shards = HiddenStateShards(recipe.hidden_states_dir, "held_out")
+        # Every rank sees all shards; each validates its own share, read lazily from the shards.
+        self.held_out = torch.utils.data.Subset(shards, range(rank, len(shards), world))
 
     def _batches(self, epoch: int) -> list[list[int]]:
         """A whole number of accumulation groups, so no gradient is left pending across epochs or checkpoints."""

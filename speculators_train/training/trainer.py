@@ -166,9 +166,7 @@ class Trainer:
                 "lm_head": target.lm_head.weight.detach().float().cpu(),
             }
             fingerprint = data_fingerprint(self.source.splits)
-        held_out = len(self.source.held_out)
-        if isinstance(self.source, OnlineSource):
-            held_out = int(self.acc.reduce(torch.tensor(held_out, device=self.acc.device), reduction="sum"))
+        held_out = int(self.acc.reduce(torch.tensor(len(self.source.held_out), device=self.acc.device), "sum"))
         if held_out == 0:
             raise UserError(
                 f"{recipe.source_path}: the held-out split has no samples, so nothing can be validated "
@@ -269,16 +267,12 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Held-out metrics summed over this rank's samples, then over ranks (every rank reduces, even with none)."""
         self.model.eval()
-        held_out = self.source.held_out
-        # Offline: every rank sees all shards, so take this rank's share; online samples are per rank already.
-        indices = list(range(len(held_out)))
-        if isinstance(self.source, OfflineSource):
-            indices = indices[self.acc.process_index :: self.acc.num_processes]
+        held_out = self.source.held_out  # this rank's share
         steps = self.recipe.eagle3.ttt_steps
         zero = torch.zeros((), device=self.acc.device)
         sums = {f"{name}_{i}": zero for name in ("loss", "n", "full", "chains", "cond_n") for i in range(steps)}
-        for k in range(0, len(indices), self.cfg.batch_size):
-            batch = collate([held_out[i] for i in indices[k : k + self.cfg.batch_size]])
+        for k in range(0, len(held_out), self.cfg.batch_size):
+            batch = collate([held_out[i] for i in range(k, min(k + self.cfg.batch_size, len(held_out)))])
             _, metrics = self.model(self._to_device(batch))
             for key, value in metrics.items():
                 sums[key] = sums[key] + value
