@@ -1,26 +1,38 @@
 """Where training batches come from: generator shards (offline) or the target run in the loop (online).
 
 Both give the trainer the same thing: for an epoch, batches with a JSON-able position after each, so a
-checkpoint records exactly where to continue. Offline position: batch index. Online: [chunk, batch].
+checkpoint records exactly where to continue (offline position: batch index; online: [chunk, batch]);
+this rank's `held_out` samples; and what the draft is built from: `token_freq` (loss-masked train token
+counts), `aux_layer_ids` and `data_fingerprint`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from speculators_train.data.render import render
 from speculators_train.errors import UserError
-from speculators_train.hidden_states.generator import chunk_seed, chunks, load_splits, process_chunk
-from speculators_train.hidden_states.shards import HiddenStateShards
+from speculators_train.hidden_states.generator import (
+    chunk_seed,
+    chunks,
+    data_fingerprint,
+    load_splits,
+    process_chunk,
+)
+from speculators_train.hidden_states.shards import TOKEN_FREQ, HiddenStateShards, read_manifest
 from speculators_train.recipe import Recipe
 from speculators_train.training.data import collate, epoch_batches
 
 Batch = dict[str, torch.Tensor]
+log = logging.getLogger(__name__)
 
 
 class OfflineSource:
@@ -30,7 +42,16 @@ class OfflineSource:
 
     def __init__(self, recipe: Recipe, world: int, rank: int) -> None:
         self.recipe, self.world, self.rank = recipe, world, rank
-        self.train = HiddenStateShards(recipe.hidden_states_dir, "train")
+        directory = recipe.hidden_states_dir
+        manifest = read_manifest(directory)
+        if not manifest.get("complete"):
+            raise UserError(f"{directory}: generation is not complete; rerun `speculators-train generate`")
+        _check_manifest(recipe, manifest["identity"], directory)
+        self.aux_layer_ids = manifest["identity"]["aux_layer_ids"]
+        self.data_fingerprint = manifest["identity"]["data_fingerprint"]
+        with safe_open(directory / TOKEN_FREQ, framework="pt") as fh:
+            self.token_freq = fh.get_tensor("token_freq")
+        self.train = HiddenStateShards(directory, "train")
         shards = HiddenStateShards(recipe.hidden_states_dir, "held_out")
         # Every rank sees all shards; each validates its own share, read lazily from the shards.
         self.held_out = torch.utils.data.Subset(shards, range(rank, len(shards), world))
@@ -66,9 +87,14 @@ class OnlineSource:
     def __init__(self, recipe: Recipe, target, world: int, rank: int, min_across_ranks) -> None:
         self.recipe, self.target, self.world, self.rank = recipe, target, world, rank
         self.min_across_ranks = min_across_ranks
-        self.splits = splits = load_splits(recipe)
+        splits = load_splits(recipe)
         if len(splits.train) < world:
             raise UserError(f"{len(splits.train)} training records cannot feed {world} ranks")
+        if recipe.data.regenerate.enabled:
+            log.warning("online + regenerate: the draft vocabulary is counted on the dataset's replies")
+        self.token_freq = token_frequencies(recipe, splits, target.tokenizer, target.vocab_size)
+        self.aux_layer_ids = target.aux_layer_ids
+        self.data_fingerprint = data_fingerprint(splits)
         self.records = splits.train[rank::world]
         held = splits.held_out[rank::world]
         self.held_out = [
@@ -104,6 +130,25 @@ class OnlineSource:
             count -= count % cfg.gradient_accumulation_steps
             for b in range(start_batch if k == start_chunk else 0, count):
                 yield collate(batches[b]), (k, b + 1)
+
+
+def _check_manifest(recipe: Recipe, identity: dict[str, Any], directory: Path) -> None:
+    """Shards made for another target, layer set or data settings must not train this recipe's draft."""
+    wanted = recipe.target.aux_layer_ids
+    problems = []
+    if identity["name_or_path"] != recipe.target.name_or_path:
+        problems.append(f"target {identity['name_or_path']!r} there, {recipe.target.name_or_path!r} in the recipe")
+    if wanted is not None and identity["aux_layer_ids"] != wanted:
+        problems.append(f"aux_layer_ids {identity['aux_layer_ids']} there, {wanted} in the recipe")
+    data = recipe.data
+    current = {"max_length": data.max_length, "overlong": data.overlong, "regenerate": data.regenerate.model_dump()}
+    problems += [
+        f"data.{key} {identity[key]!r} there, {value!r} in the recipe"
+        for key, value in current.items()
+        if identity.get(key) != value
+    ]
+    if problems:
+        raise UserError(f"{directory} was generated for another setup: " + "; ".join(problems))
 
 
 def token_frequencies(recipe: Recipe, splits, tokenizer, vocab_size: int) -> torch.Tensor:

@@ -12,25 +12,21 @@ import math
 import os
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_json
-from speculators_train.hidden_states.generator import data_fingerprint
-from speculators_train.hidden_states.shards import TOKEN_FREQ, read_manifest
 from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
 from speculators_train.models.vocab import build_vocab_mapping, draft_to_target
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
-from speculators_train.target import load_head_weights
+from speculators_train.target import load_head_weights, load_target
 from speculators_train.training import checkpoint as ckpt
 from speculators_train.training.data import collate
-from speculators_train.training.sources import OfflineSource, OnlineSource, token_frequencies
+from speculators_train.training.sources import OfflineSource, OnlineSource
 from speculators_train.training.ttt import Eagle3Objective, TargetHead, summarize
 
 log = logging.getLogger(__name__)
@@ -67,25 +63,6 @@ def _accelerator(recipe: Recipe):
             "(remove training.deepspeed)"
         )
     return accelerator
-
-
-def _check_manifest(recipe: Recipe, manifest: dict[str, Any], directory: Path) -> None:
-    identity = manifest["identity"]
-    wanted = recipe.target.aux_layer_ids
-    problems = []
-    if identity["name_or_path"] != recipe.target.name_or_path:
-        problems.append(f"target {identity['name_or_path']!r} there, {recipe.target.name_or_path!r} in the recipe")
-    if wanted is not None and identity["aux_layer_ids"] != wanted:
-        problems.append(f"aux_layer_ids {identity['aux_layer_ids']} there, {wanted} in the recipe")
-    data = recipe.data
-    current = {"max_length": data.max_length, "overlong": data.overlong, "regenerate": data.regenerate.model_dump()}
-    problems += [
-        f"data.{key} {identity[key]!r} there, {value!r} in the recipe"
-        for key, value in current.items()
-        if identity.get(key) != value
-    ]
-    if problems:
-        raise UserError(f"{directory} was generated for another setup: " + "; ".join(problems))
 
 
 def build_objective(
@@ -141,39 +118,18 @@ class Trainer:
         random.seed(recipe.seed)
         world, rank = self.acc.num_processes, self.acc.process_index
         if recipe.generation.hidden_states == "offline":
-            directory = recipe.hidden_states_dir
-            manifest = read_manifest(directory)
-            if not manifest.get("complete"):
-                raise UserError(f"{directory}: generation is not complete; rerun `speculators-train generate`")
-            _check_manifest(recipe, manifest, directory)
             self.source = OfflineSource(recipe, world, rank)
-            with safe_open(directory / TOKEN_FREQ, framework="pt") as fh:
-                freq = fh.get_tensor("token_freq")
-            target_config, weights = load_head_weights(recipe.target)
-            aux_ids, fingerprint = manifest["identity"]["aux_layer_ids"], manifest["identity"]["data_fingerprint"]
         else:
-            from speculators_train.target import load_target
-
-            target = load_target(recipe.target)
-            self.source = OnlineSource(recipe, target, world, rank, self._min_across_ranks)
-            if recipe.data.regenerate.enabled:
-                log.warning("online + regenerate: the draft vocabulary is counted on the dataset's replies")
-            freq = token_frequencies(recipe, self.source.splits, target.tokenizer, target.vocab_size)
-            target_config, aux_ids = target.config, target.aux_layer_ids
-            weights = {
-                "embed": target.embed_tokens.weight.detach().float().cpu(),
-                "norm": target.final_norm.weight.detach().float().cpu(),
-                "lm_head": target.lm_head.weight.detach().float().cpu(),
-            }
-            fingerprint = data_fingerprint(self.source.splits)
+            self.source = OnlineSource(recipe, load_target(recipe.target), world, rank, self._min_across_ranks)
+        target_config, weights = load_head_weights(recipe.target)
         held_out = int(self.acc.reduce(torch.tensor(len(self.source.held_out), device=self.acc.device), "sum"))
         if held_out == 0:
             raise UserError(
                 f"{recipe.source_path}: the held-out split has no samples, so nothing can be validated "
                 "or kept as best; raise data.held_out_fraction"
             )
-        self.identity = resume_identity(recipe, fingerprint, world)
-        objective = build_objective(recipe, target_config, weights, freq, aux_ids)
+        self.identity = resume_identity(recipe, self.source.data_fingerprint, world)
+        objective = build_objective(recipe, target_config, weights, self.source.token_freq, self.source.aux_layer_ids)
         params = objective.draft.trainable_parameters()
         optimizer = torch.optim.AdamW(
             params, lr=self.cfg.learning_rate, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.95)
