@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
+
+
+def _cpu_flag() -> bool:
+    return os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
 
 
 def process_state():
@@ -15,5 +20,25 @@ def process_state():
     """
     from accelerate import PartialState
 
-    flag = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
-    return PartialState(cpu=flag or not torch.cuda.is_available())
+    return PartialState(cpu=_cpu_flag() or not torch.cuda.is_available())
+
+
+def deepspeed_process_state(cuda: bool):
+    """PartialState for a DeepSpeed run, before the Accelerator is built: nccl on CUDA, gloo on CPU.
+
+    accelerate skips DeepSpeed whenever it runs "on CPU", and on a CPU-only machine it picks no backend, so every
+    torchrun rank would count itself rank 0 of 1. Naming gloo keeps the real group, and DeepSpeed's CPU
+    accelerator then runs ZeRO over it. A plain single process gets the one-rank environment `accelerate launch`
+    would give it, because DeepSpeed only starts from a launcher's environment.
+    """
+    from accelerate import PartialState
+
+    if "LOCAL_RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+        os.environ.update({**defaults, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    os.environ.pop("ACCELERATE_USE_CPU", None)  # the recipe asked for DeepSpeed; the CPU flag would switch it off
+    return PartialState(cpu=False, **({} if cuda else {"backend": "gloo"}))

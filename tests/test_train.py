@@ -130,11 +130,35 @@ def test_two_cpu_ranks_match_one_rank_with_the_same_global_batch(tmp_path, state
         assert got[step] == pytest.approx(expected, rel=1e-4), f"step {step}"
 
 
-def test_deepspeed_that_accelerate_does_not_engage_is_refused_not_silently_ddp(tmp_path, states):
-    """On CPU accelerate skips DeepSpeed; training must stop with a clear message instead of running DDP."""
-    recipe = load_recipe(run_recipe(tmp_path, states, training={"deepspeed": {"zero_stage": 2}}))
-    with pytest.raises(UserError, match=r"training\.deepspeed is set but accelerate did not engage DeepSpeed"):
-        Trainer(recipe)
+def test_deepspeed_zero2_on_two_cpu_ranks_matches_ddp_and_resumes_exactly(tmp_path, states, single_rank_losses):
+    """ZeRO-2 really engages on CPU (gloo), trains like one rank with the same global batch, and a run stopped
+    after a checkpoint continues on the same curve from the gathered (full, not rank-0-shard) optimizer state."""
+    settings = {"epochs": 2, "batch_size": 2, "save_every_steps": 1, "keep_last": 10, "deepspeed": {"zero_stage": 2}}
+    two_ranks(run_recipe(tmp_path, states, training=settings))
+    run = tmp_path / "run" / "train"
+    full = losses(tmp_path / "run")
+    assert full.keys() == single_rank_losses.keys()
+    for step, expected in single_rank_losses.items():
+        assert full[step] == pytest.approx(expected, rel=1e-4), f"step {step}"
+    saved = torch.load(run / "checkpoints" / "step-000003" / "optimizer.pt", weights_only=True)
+    fc = load_file(run / "checkpoints" / "step-000003" / "model.safetensors")["fc.weight"]
+    assert saved["zero"]["step"] == 3.0
+    assert saved["zero"]["params"]["fc.weight"]["exp_avg"].shape == fc.shape
+    torch.testing.assert_close(saved["zero"]["params"]["fc.weight"]["fp32"], fc, rtol=0, atol=0)
+
+    # As if killed right after step 3's checkpoint: later checkpoints and log lines never happened.
+    for later in run.glob("checkpoints/step-*"):
+        if int(later.name[5:]) > 3:
+            shutil.rmtree(later)
+    for pointer in ("latest.json", "best.json"):
+        (run / "checkpoints" / pointer).write_text(json.dumps({"step": 3, "metric": "none", "value": 0.0}))
+    kept = [x for x in (run / "metrics.jsonl").read_text().splitlines() if json.loads(x)["step"] <= 3]
+    (run / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    two_ranks(tmp_path / "recipe.yaml")
+    resumed = losses(tmp_path / "run")
+    assert resumed.keys() == full.keys()
+    for step in range(4, max(full) + 1):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-6), f"step {step}"
 
 
 def test_best_checkpoint_survives_pruning_and_loads(tmp_path, states):

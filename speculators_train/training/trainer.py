@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from speculators_train.distributed import deepspeed_process_state
 from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_json
 from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
@@ -25,6 +26,7 @@ from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
 from speculators_train.target import load_head_weights, load_target
 from speculators_train.training import checkpoint as ckpt
+from speculators_train.training import zero
 from speculators_train.training.data import collate
 from speculators_train.training.sources import OfflineSource, OnlineSource
 from speculators_train.training.ttt import Eagle3Objective, TargetHead, summarize
@@ -41,6 +43,7 @@ def _accelerator(recipe: Recipe):
     precision = ("bf16" if cuda else "no") if cfg.mixed_precision == "auto" else cfg.mixed_precision
     plugin = None
     if cfg.deepspeed is not None:
+        deepspeed_process_state(cuda)
         plugin = DeepSpeedPlugin(
             zero_stage=cfg.deepspeed.zero_stage,
             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
@@ -48,10 +51,10 @@ def _accelerator(recipe: Recipe):
             offload_optimizer_device="cpu" if cfg.deepspeed.offload_optimizer else "none",
         )
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.batch_size
-        world = int(os.environ.get("WORLD_SIZE", 1))
+        world = int(os.environ["WORLD_SIZE"])
         plugin.deepspeed_config["train_batch_size"] = cfg.batch_size * cfg.gradient_accumulation_steps * world
     accelerator = Accelerator(
-        cpu=not cuda,
+        cpu=not cuda and plugin is None,
         mixed_precision=precision,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         deepspeed_plugin=plugin,
@@ -59,8 +62,8 @@ def _accelerator(recipe: Recipe):
     if plugin is not None and accelerator.distributed_type != DistributedType.DEEPSPEED:
         raise UserError(
             f"{recipe.source_path}: training.deepspeed is set but accelerate did not engage DeepSpeed "
-            f"(it runs as {accelerator.distributed_type}); DeepSpeed runs need CUDA here, use DDP on CPU "
-            "(remove training.deepspeed)"
+            f"(it runs as {accelerator.distributed_type}); check the accelerate config for a conflicting "
+            "distributed_type"
         )
     return accelerator
 
@@ -175,13 +178,20 @@ class Trainer:
             raise UserError(f"{path} was trained with other settings ({detail}); use another output_dir")
         if optimizer_state is None:
             raise UserError(
-                f"{path} holds no optimizer state (DeepSpeed runs do not save a resumable one yet), so it cannot "
-                "continue exactly; start a new output_dir, or delete its checkpoints to retrain"
+                f"{path} holds no optimizer state, so it cannot continue exactly; start a new output_dir, "
+                "or delete its checkpoints to retrain"
             )
         weights = ckpt.load_draft_weights(path)
         self.draft.load_state_dict(weights, strict=False)
-        self.optimizer.load_state_dict(optimizer_state["optimizer"])
+        if self.cfg.deepspeed is not None:
+            zero.restore(self.model.optimizer, self._trainable(), optimizer_state["zero"])
+        else:
+            self.optimizer.load_state_dict(optimizer_state["optimizer"])
         self.scheduler.load_state_dict(optimizer_state["scheduler"])
+        # The scheduler's state does not carry the learning rate it last set (the optimizer's state does, and
+        # the ZeRO state above does not), so set it from the scheduler.
+        for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
         torch.set_rng_state(optimizer_state["torch_rng"])
         self.state = state
         log.info(
@@ -190,21 +200,21 @@ class Trainer:
 
     def _save(self) -> None:
         self.acc.wait_for_everyone()
+        optimizer_state = {"scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
+        if self.cfg.deepspeed is not None:
+            optimizer_state["zero"] = zero.gather(self.model.optimizer, self._trainable())  # every rank takes part
+        else:
+            optimizer_state["optimizer"] = self.optimizer.state_dict()
         if self.acc.is_main_process:
-            # Under ZeRO rank 0 holds only its shard of the optimizer state: write none rather than a wrong one.
-            optimizer_state = None
-            if self.cfg.deepspeed is None:
-                optimizer_state = {
-                    "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(),
-                    "torch_rng": torch.get_rng_state(),
-                }
             ckpt.save_checkpoint(
                 self.ckpt_dir, self.state["step"], self.draft, optimizer_state, self.state, self.cfg.keep_last
             )
             if self.state["best"] is not None and self.state["best"]["step"] == self.state["step"]:
                 atomic_write_json(self.ckpt_dir / "best.json", self.state["best"])
         self.acc.wait_for_everyone()
+
+    def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(name, p) for name, p in self.draft.named_parameters() if p.requires_grad]
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.acc.is_main_process:
