@@ -113,11 +113,26 @@ def _report_training(recipe: Recipe, trainer, metrics: dict[str, float]) -> None
     print(json.dumps({"step": trainer.state["step"], "tokens": trainer.state["tokens"], **metrics}))
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from speculators_train.verify.report import markdown
+    from speculators_train.verify.run import verify
+
+    recipe = _recipe(args)
+    draft = Path(args.draft) if args.draft else recipe.run_dir / "train" / "checkpoints"
+    out_dir, records = verify(recipe, draft, Path(args.out) if args.out else None)
+    console.print(markdown(records), markup=False, highlight=False)
+    for record in records:
+        print(json.dumps({k: v for k, v in record.items() if k != "per_prompt_acceptance_length"}))
+    console.print(f"results, recipe and plot: {out_dir}")
+    return 0
+
+
 COMMANDS = {
     "data": (cmd_data, "read the data mix and report record counts and skips"),
     "generate": (cmd_generate, "run the target over the data and store its hidden states (resumable)"),
     "train": (cmd_train, "train the draft from the generated hidden states (resumes from the last checkpoint)"),
     "validate": (cmd_validate, "check every hidden-state shard against the manifest (recipe or directory)"),
+    "verify": (cmd_verify, "speculative decoding with the real target: acceptance length, speedup, exactness"),
 }
 
 
@@ -129,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("recipe", help="recipe YAML (e.g. recipes/eagle3.yaml)")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
+        if name == "verify":
+            p.add_argument("--draft", help="checkpoint dir, or a checkpoints/run dir (its best); default: the recipe's")
+            p.add_argument("--out", help="output dir; default <run dir>/verify/<timestamp>")
         p.set_defaults(func=func)
     return parser
 

@@ -161,9 +161,30 @@ class ExportConfig(Section):
     dtype: DTypeName = "bfloat16"
 
 
+class TreeConfig(Section):
+    top_k: int = Field(4, gt=0, description="Children per expanded node, and nodes expanded per depth.")
+    depth: int = Field(5, gt=0, description="Draft steps per verify step.")
+    budget: int = Field(24, gt=0, description="Draft nodes verified per step (the most probable).")
+
+
 class EvalConfig(Section):
-    suites: list[str] = Field(default_factory=lambda: ["sharegpt-held-out"])
-    num_speculative_tokens: int = Field(5, gt=0)
+    suites: list[str] = Field(
+        default_factory=lambda: ["eval/suites/sharegpt-held-out.yaml"], description="Suite YAML files."
+    )
+    mode: Literal["chain", "tree"] = "chain"
+    num_speculative_tokens: int = Field(5, gt=0, description="K, draft tokens per verify step (chain mode).")
+    tree: TreeConfig = Field(default_factory=TreeConfig)
+    temperatures: list[float] = Field(default_factory=lambda: [0.0], description="0 = greedy; one run each.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    num_prompts: int | None = Field(None, gt=0, description="Override every suite's prompt count.")
+    max_new_tokens: int | None = Field(None, gt=0, description="Override every suite's generation length.")
+
+    @field_validator("temperatures")
+    @classmethod
+    def _temperatures(cls, value: list[float]) -> list[float]:
+        if not value or any(t < 0 for t in value):
+            raise ValueError("must be a non-empty list of temperatures >= 0")
+        return value
 
 
 class Recipe(Section):

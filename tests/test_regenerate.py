@@ -48,3 +48,22 @@ def test_prompt_past_max_length_ends_the_conversation(target):
     out = regenerate([long, short], target.model, target.tokenizer, cfg, max_length=32, seed=0)
     assert [m["role"] for m in out[0].messages] == ["user"], "no reply generated past max_length"
     assert out[1].messages[1]["content"] != "x"
+
+
+@pytest.mark.slow
+def test_replies_before_any_user_turn_are_dropped_not_a_crash(target):
+    """Real ShareGPT records open with the model speaking; there is no prompt to regenerate that turn from."""
+    conv = Conversation(
+        "t:4",
+        (
+            {"role": "system", "content": "Be brief."},
+            {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "ORIGINAL"},
+        ),
+        "w",
+    )
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=4, batch_size=1)
+    (out,) = regenerate([conv], target.model, target.tokenizer, cfg, max_length=512, seed=0)
+    assert [m["role"] for m in out.messages] == ["system", "user", "assistant"]
+    assert out.messages[2]["content"] != "ORIGINAL"

@@ -20,7 +20,7 @@ def regenerate(
     """Same conversations with every assistant turn produced by the target (seeded, so reruns match)."""
     generator_seed = torch.Generator().manual_seed(seed)
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator_seed)))
-    messages = [list(c.messages) for c in conversations]
+    messages = [_without_leading_replies(list(c.messages)) for c in conversations]
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if tokenizer.pad_token is None:  # e.g. Llama-3 tokenizers ship without one; batching needs it
@@ -51,3 +51,10 @@ def regenerate(
                 messages[i] = [*messages[i][:turn], *reply, *(messages[i][turn + 1 :] if reply else [])]
     # A conversation cut before its first assistant turn is counted as a skip when rendered.
     return [Conversation(c.id, tuple(m), c.origin) for c, m in zip(conversations, messages, strict=True)]
+
+
+def _without_leading_replies(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Assistant turns before any user turn answer nothing, so there is no prompt to regenerate them from
+    (ShareGPT has records that open with the model speaking): drop them."""
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    return [m for i, m in enumerate(messages) if i >= first_user or m["role"] != "assistant"]

@@ -121,9 +121,10 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
 
-    def forward(
-        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: list[KV]
-    ) -> tuple[torch.Tensor, KV]:
+    def _qkv(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ([B, heads, T, d], k/v GQA-repeated, RoPE applied) and the residual."""
         attn = self.self_attn
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
@@ -134,10 +135,54 @@ class Eagle3Layer(nn.Module):
         v = attn.v_proj(x).view(shape).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         k, v = repeat_kv(k, attn.num_key_value_groups), repeat_kv(v, attn.num_key_value_groups)
-        out = ttt_attention(q, k, v, past, attn.scaling)
-        out = attn.o_proj(out.transpose(1, 2).reshape(*x.shape[:-1], -1)) + residual
-        out = out + self.mlp(self.post_attention_layernorm(out))
-        return out, (k, v)
+        return q, k, v, residual
+
+    def _finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        out = self.self_attn.o_proj(attended.transpose(1, 2).flatten(2)) + residual
+        return out + self.mlp(self.post_attention_layernorm(out))
+
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: list[KV]
+    ) -> tuple[torch.Tensor, KV]:
+        """One TTT step over whole sequences (attention pattern of `ttt_attention`)."""
+        q, k, v, residual = self._qkv(embeds, hidden, cos, sin)
+        return self._finish(ttt_attention(q, k, v, past, self.self_attn.scaling), residual), (k, v)
+
+    def decode(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: DraftCache,
+        allowed: torch.Tensor,
+    ) -> torch.Tensor:
+        """Inference: append this call's keys to `cache`; `allowed` [T, len(cache) + T] says which keys each
+        new query sees (causal for a chain, ancestors for a tree)."""
+        q, k, v, residual = self._qkv(embeds, hidden, cos, sin)
+        keys, values = cache.append(k, v)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.self_attn.scaling)
+        return self._finish(attended, residual)
+
+
+class DraftCache:
+    """The draft's KV cache at inference: [B, heads, S, d] tensors that grow by `append` and roll back by `crop`."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> KV:
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=-2)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=-2)
+        return self.keys, self.values
+
+    def crop(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[..., :length, :], self.values[..., :length, :]
 
 
 class Eagle3Draft(nn.Module):
@@ -177,6 +222,21 @@ class Eagle3Draft(nn.Module):
         else:
             out, kv = layer(embeds, hidden, cos, sin, past)
         return out, self.lm_head(self.norm(out)), kv
+
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DraftCache,
+        allowed: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inference step over T new inputs [1, T] (hidden already fused by `fc`, or a previous output):
+        (pre-norm outputs to feed back, draft-vocab logits). See `Eagle3Layer.decode` for `allowed`."""
+        embeds = self.embed_tokens(tokens).to(hidden.dtype)
+        cos, sin = self.rotary_emb(hidden, positions)
+        out = self.layers[0].decode(embeds, hidden, cos, sin, cache, allowed)
+        return out, self.lm_head(self.norm(out))
 
     def ttt_forward(
         self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, steps: int

@@ -1,0 +1,245 @@
+"""Speculative decoding with the real target: the draft proposes, the target verifies in one forward.
+
+Bookkeeping (one sequence; L tokens so far, the last one "pending"):
+
+    target KV cache   x_0 .. x_{L-2}          (the pending token x_{L-1} is the next verify input)
+    draft KV cache    pairs (x_{j+1}, g_j) for j = 0 .. L-2
+
+A verify step feeds [x_{L-1}, d_1 .. d_K] (chain: causal; tree: each node sees its ancestors, at position
+L-1+depth), accepts a prefix/path and one more token from the target (correction or bonus), then keeps only the
+accepted entries of the target cache (chain: crop; tree: compact the accepted path) and commits the new pairs to
+the draft, which crops away its own speculative entries first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from speculators_train.target import Target
+from speculators_train.verify import sampling as rules
+from speculators_train.verify.proposers import DraftTree, Proposer, TreeSpec
+from speculators_train.verify.sampling import Sampling
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # generated tokens (the prompt excluded), cut at EOS (kept) or the limit
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens per verify step
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cut(new: list[int], have: int, max_new_tokens: int, eos: set[int]) -> tuple[list[int], bool]:
+    """The tokens of `new` that may be emitted after `have` tokens, and whether generation is over."""
+    out = []
+    for token in new:
+        out.append(token)
+        if token in eos or have + len(out) >= max_new_tokens:
+            return out, True
+    return out, False
+
+
+class TargetRunner:
+    """The target with a KV cache: forwards that also return the aux states the EAGLE-3 draft reads."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.model = target.model
+        self.device = next(self.model.parameters()).device
+        self.cache = DynamicCache(config=self.model.config)
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    @torch.inference_mode()
+    def forward(
+        self, tokens: list[int], tree: DraftTree | None = None, capture: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [T, V] (float32) and, if `capture`, the concatenated aux states [T, A*H] for `tokens`
+        appended after the cache; with `tree`, tokens[0] is the root and tokens[1:] are its nodes."""
+        start = self.length
+        ids = torch.tensor([tokens], device=self.device)
+        mask = None
+        if tree is None:
+            positions = torch.arange(start, start + len(tokens), device=self.device)
+        else:
+            depth = torch.tensor([0, *tree.depths], device=self.device)
+            positions = start + depth
+            t = len(tokens)
+            allowed = torch.zeros(t, start + t, dtype=torch.bool, device=self.device)
+            allowed[:, : start + 1] = True  # the cache and the root
+            for node, parent in enumerate(tree.parents, start=1):
+                allowed[node] = allowed[parent + 1] if parent >= 0 else allowed[0]
+                allowed[node, start + node] = True
+            dtype = self.target.dtype
+            mask = torch.zeros(1, 1, t, start + t, dtype=dtype, device=self.device)
+            mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        kwargs = {"past_key_values": self.cache, "position_ids": positions[None], "use_cache": True}
+        if capture:
+            with self.target.capture() as store:
+                logits = self.model(input_ids=ids, attention_mask=mask, **kwargs).logits
+            aux = torch.cat([store[i] for i in self.target.aux_layer_ids], dim=-1)[0]
+        else:
+            logits, aux = self.model(input_ids=ids, attention_mask=mask, **kwargs).logits, None
+        return logits[0].float(), aux
+
+    def keep(self, length: int, extra: list[int]) -> None:
+        """Keep the first `length` cache entries plus the entries at `extra` (absolute indices, ascending)."""
+        if not extra and length == self.length:
+            return
+        if extra == list(range(length, length + len(extra))):  # a chain: drop the rejected tail
+            if self.length > length + len(extra):
+                self.cache.crop(length + len(extra) - self.length)
+            return
+        index = torch.tensor([*range(length), *extra], device=self.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+
+
+class SpeculativeDecoder:
+    def __init__(
+        self,
+        target: Target,
+        proposer: Proposer,
+        sampling: Sampling,
+        num_speculative_tokens: int = 5,
+        tree: TreeSpec | None = None,
+    ) -> None:
+        self.runner = TargetRunner(target)
+        self.proposer = proposer
+        self.sampling = sampling
+        self.k = num_speculative_tokens
+        self.tree = tree
+
+    def generate(
+        self, prompt: list[int], max_new_tokens: int, eos: set[int], generator: torch.Generator | None = None
+    ) -> Generation:
+        if len(prompt) < 2:
+            raise ValueError("a prompt needs at least 2 tokens (the template adds more)")
+        runner, device = self.runner, self.runner.device
+        result = Generation(tokens=[])
+        _sync(device)
+        started = time.perf_counter()
+        runner.reset()
+        self.proposer.reset()
+        _, aux = runner.forward(prompt[:-1])
+        _sync(device)
+        tick = time.perf_counter()
+        result.prefill_seconds = tick - started
+        self.proposer.extend(prompt[1:], aux)
+        _sync(device)
+        result.draft_seconds += time.perf_counter() - tick
+        pending, done = prompt[-1], max_new_tokens <= 0
+        while not done:
+            tick = time.perf_counter()
+            if self.tree is None:
+                drafts, q = self.proposer.propose_chain(self.k, self.sampling, generator)
+                tree = None
+            else:
+                tree = self.proposer.propose_tree(self.tree)
+                drafts, q = tree.tokens, None
+            _sync(device)
+            result.draft_seconds += time.perf_counter() - tick
+            tick = time.perf_counter()
+            before = runner.length
+            logits, aux = runner.forward([pending, *drafts], tree)
+            _sync(device)
+            result.verify_seconds += time.perf_counter() - tick
+            path, token = self._accept(drafts, q, logits, tree, generator)
+            result.accepted.append(len(path))
+            new = [drafts[node] for node in path] + [token]
+            emitted, done = _cut(new, len(result.tokens), max_new_tokens, eos)
+            result.tokens += emitted
+            if done:
+                break
+            runner.keep(before + 1, [before + 1 + node for node in path])
+            tick = time.perf_counter()
+            self.proposer.extend(new, aux[[0, *(1 + node for node in path)]])
+            _sync(device)
+            result.draft_seconds += time.perf_counter() - tick
+            pending = token
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _accept(
+        self,
+        drafts: list[int],
+        q: torch.Tensor | None,
+        logits: torch.Tensor,
+        tree: DraftTree | None,
+        generator: torch.Generator | None,
+    ) -> tuple[list[int], int]:
+        """(accepted draft indices in order, the target's token after them)."""
+        greedy = self.sampling.greedy
+        if tree is None:
+            if greedy:
+                a, token = rules.accept_chain_greedy(drafts, logits)
+            else:
+                p = rules.target_probs(logits, self.sampling)
+                a, token = rules.accept_chain_sampled(drafts, q.to(p.device), p, generator)
+            return list(range(a)), token
+        path: list[int] = []
+        node = -1
+        while True:
+            children = tree.children.get(node, [])
+            row = logits[node + 1]
+            if greedy:
+                child, token = rules.accept_children_greedy(children, tree.tokens, row)
+            else:
+                p = rules.target_probs(row, self.sampling)
+                child, token = rules.accept_children_sampled(children, tree.tokens, p, generator)
+            if child is None:
+                return path, token
+            path.append(child)
+            node = child
+
+
+@torch.inference_mode()
+def decode_plain(
+    target: Target,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos: set[int],
+    sampling: Sampling,
+    generator: torch.Generator | None = None,
+    runner: TargetRunner | None = None,
+) -> Generation:
+    """Target-only decoding with the same KV cache and the same prefill split: the baseline."""
+    runner = runner or TargetRunner(target)
+    _sync(runner.device)
+    started = time.perf_counter()
+    runner.reset()
+    result = Generation(tokens=[])
+    if max_new_tokens > 0:
+        runner.forward(prompt[:-1], capture=False)
+        _sync(runner.device)
+        result.prefill_seconds = time.perf_counter() - started
+        pending, done = prompt[-1], False
+        while not done:
+            logits, _ = runner.forward([pending], capture=False)
+            if sampling.greedy:
+                token = int(logits[-1].argmax())
+            else:
+                token = rules.sample(rules.target_probs(logits[-1], sampling), generator)
+            emitted, done = _cut([token], len(result.tokens), max_new_tokens, eos)
+            result.tokens += emitted
+            pending = token
+    _sync(runner.device)
+    result.seconds = time.perf_counter() - started
+    return result

@@ -1,0 +1,127 @@
+"""Scores (SPEC section 6, as vLLM counts them) and the outputs of a verify run: JSON, Markdown, PNG.
+
+For verify step t with K drafted positions (a tree counts its depth), a_t is the number of accepted drafts:
+    acceptance length      AL  = 1 + mean(a_t)          (the +1 is the target's correction or bonus token)
+    per-position rate      r_i = mean(a_t >= i + 1)      so AL = 1 + sum_i r_i
+    draft acceptance rate      = sum(a_t) / (steps * K)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from speculators_train.files import atomic_write_bytes
+from speculators_train.verify.decoder import Generation
+
+
+def acceptance(accepted: list[int], k: int) -> dict[str, Any]:
+    steps = len(accepted)
+    if steps == 0:
+        return {"acceptance_length": None, "per_position_acceptance": [], "draft_acceptance_rate": None, "steps": 0}
+    return {
+        "acceptance_length": 1 + sum(accepted) / steps,
+        "per_position_acceptance": [sum(a > i for a in accepted) / steps for i in range(k)],
+        "draft_acceptance_rate": sum(accepted) / (steps * k),
+        "steps": steps,
+    }
+
+
+def score(
+    suite: str,
+    shape: str,
+    k: int,
+    temperature: float,
+    top_p: float,
+    speculative: list[Generation],
+    baseline: list[Generation],
+) -> dict[str, Any]:
+    """One suite x setting record. Times are sums over the prompts; tokens/s = tokens / wall time."""
+    accepted = [a for g in speculative for a in g.accepted]
+    spec_tokens = sum(len(g.tokens) for g in speculative)
+    base_tokens = sum(len(g.tokens) for g in baseline)
+    spec_s = sum(g.seconds for g in speculative)
+    base_s = sum(g.seconds for g in baseline)
+    spec_rate, base_rate = spec_tokens / spec_s, base_tokens / base_s
+    phases = {
+        "prefill": sum(g.prefill_seconds for g in speculative),
+        "draft": sum(g.draft_seconds for g in speculative),
+        "verify": sum(g.verify_seconds for g in speculative),
+    }
+    phases["bookkeeping"] = max(spec_s - sum(phases.values()), 0.0)
+    record = {
+        "suite": suite,
+        "shape": shape,
+        "num_speculative_tokens": k,
+        "temperature": temperature,
+        "top_p": top_p,
+        "prompts": len(speculative),
+        **acceptance(accepted, k),
+        "per_prompt_acceptance_length": [acceptance(g.accepted, k)["acceptance_length"] for g in speculative],
+        "tokens": spec_tokens,
+        "target_only_tokens_per_s": base_rate,
+        "speculative_tokens_per_s": spec_rate,
+        "speedup": spec_rate / base_rate,
+        "seconds": {"speculative": spec_s, "target_only": base_s, **{f"spec_{name}": v for name, v in phases.items()}},
+    }
+    if temperature == 0:
+        same = sum(g.tokens == b.tokens for g, b in zip(speculative, baseline, strict=True))
+        record["greedy_identical_outputs"] = f"{same}/{len(speculative)}"
+    return record
+
+
+def markdown(records: list[dict[str, Any]]) -> str:
+    head = (
+        "| suite | shape | T | prompts | AL | per-position acceptance | draft acc. rate | steps "
+        "| target-only tok/s | spec tok/s | speedup | draft / verify / other s | greedy identical |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for r in records:
+        s = r["seconds"]
+        other = s["spec_prefill"] + s["spec_bookkeeping"]
+        rows.append(
+            f"| {r['suite']} | {r['shape']} | {r['temperature']:g} | {r['prompts']} | {r['acceptance_length']:.2f} "
+            f"| {' '.join(f'{x:.2f}' for x in r['per_position_acceptance'])} | {r['draft_acceptance_rate']:.3f} "
+            f"| {r['steps']} | {r['target_only_tokens_per_s']:.1f} | {r['speculative_tokens_per_s']:.1f} "
+            f"| {r['speedup']:.2f}x | {s['spec_draft']:.1f} / {s['spec_verify']:.1f} / {other:.1f} "
+            f"| {r.get('greedy_identical_outputs', '-')} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    """Per-position acceptance (left) and speedup (right), one line/bar per record."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = []
+    for r in records:
+        label = f"{r['suite']} {r['shape']} T={r['temperature']:g}"
+        labels.append(label)
+        rates = r["per_position_acceptance"]
+        left.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{label} (AL {r['acceptance_length']:.2f})")
+    left.set_xlabel("draft position")
+    left.set_ylabel("acceptance rate (accepted at least this far)")
+    left.set_ylim(0, 1.02)
+    left.legend(fontsize=7)
+    right.barh(range(len(records)), [r["speedup"] for r in records])
+    right.axvline(1.0, color="grey", linestyle="--")
+    right.set_yticks(range(len(records)), labels, fontsize=7)
+    right.set_xlabel("speedup over target-only decoding")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def write_outputs(out_dir: Path, records: list[dict[str, Any]]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out_dir / "results.json", (json.dumps(records, indent=2) + "\n").encode())
+    atomic_write_bytes(out_dir / "results.md", markdown(records).encode())
+    plot(records, out_dir / "acceptance.png")

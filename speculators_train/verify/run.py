@@ -1,0 +1,143 @@
+"""`speculators-train verify`: score a draft with the real target on the recipe's eval suites.
+
+For each suite and temperature: target-only decoding (the baseline, same KV cache and prefill), then speculative
+decoding of the same prompts with the same per-prompt seeds. Results land in <run dir>/verify/<timestamp>/ with
+the exact recipe used.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from speculators_train.errors import UserError
+from speculators_train.files import atomic_write_bytes
+from speculators_train.models.eagle3 import Eagle3Draft
+from speculators_train.recipe import Recipe
+from speculators_train.runinfo import write_run_info
+from speculators_train.target import Target, load_target
+from speculators_train.training import checkpoint as ckpt
+from speculators_train.verify.decoder import Generation, SpeculativeDecoder, decode_plain
+from speculators_train.verify.proposers import Eagle3Proposer, TreeSpec
+from speculators_train.verify.report import score, write_outputs
+from speculators_train.verify.sampling import Sampling
+from speculators_train.verify.suites import Suite, load_suite
+
+log = logging.getLogger(__name__)
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint directory itself, or a checkpoints/ (or run) directory: its best, else its latest."""
+    if (path / "draft_config.json").is_file():
+        return path
+    for root in (path, path / "checkpoints", path / "train" / "checkpoints"):
+        pointer = ckpt.read_pointer(root / "best.json") if (root / "best.json").is_file() else None
+        if pointer is not None and (root / f"step-{int(pointer['step']):06d}").is_dir():
+            return root / f"step-{int(pointer['step']):06d}"
+        latest = ckpt.latest_checkpoint(root) if root.is_dir() else None
+        if latest is not None:
+            return latest
+    raise UserError(f"{path}: no draft checkpoint there (expected draft_config.json, or checkpoints with best.json)")
+
+
+def load_draft_for(target: Target, path: Path) -> Eagle3Draft:
+    """The draft on the target's device and dtype, its embedding taken from the target, shapes checked."""
+    draft = ckpt.load_draft(resolve_checkpoint(path))
+    cfg = draft.config
+    mismatches = [
+        f"{name}: draft {mine}, target {theirs}"
+        for name, mine, theirs in (
+            ("hidden size", cfg.target_hidden_size, target.hidden_size),
+            ("vocab size", cfg.target_vocab_size, target.vocab_size),
+        )
+        if mine != theirs
+    ]
+    if max(cfg.aux_layer_ids) >= target.num_layers:
+        mismatches.append(f"aux layer ids {cfg.aux_layer_ids} need < {target.num_layers} target layers")
+    if mismatches:
+        raise UserError(f"{path}: draft does not fit the target ({'; '.join(mismatches)})")
+    target.aux_layer_ids = list(cfg.aux_layer_ids)  # capture what this draft was trained on
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(target.embed_tokens.weight)
+    return draft.to(device=next(target.model.parameters()).device, dtype=target.dtype).eval()
+
+
+def eos_ids(target: Target) -> set[int]:
+    ids = {target.tokenizer.eos_token_id}
+    configured = getattr(target.model.generation_config, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return {i for i in ids if i is not None}
+
+
+def run_baseline(
+    target: Target, suite: Suite, max_new: int, sampling: Sampling, seed: int, bar: tqdm
+) -> list[Generation]:
+    eos = eos_ids(target)
+    out = []
+    for i, prompt in enumerate(suite.prompts):
+        generator = torch.Generator(device=target.model.device).manual_seed(seed + i)
+        out.append(decode_plain(target, prompt.ids, max_new, eos, sampling, generator))
+        bar.update(1)
+    return out
+
+
+def run_speculative(
+    decoder: SpeculativeDecoder, target: Target, suite: Suite, max_new: int, seed: int, bar: tqdm
+) -> list[Generation]:
+    eos = eos_ids(target)
+    out = []
+    for i, prompt in enumerate(suite.prompts):
+        generator = torch.Generator(device=target.model.device).manual_seed(seed + i)
+        out.append(decoder.generate(prompt.ids, max_new, eos, generator))
+        bar.update(1)
+    return out
+
+
+def shape_of(recipe: Recipe) -> tuple[str, int, TreeSpec | None]:
+    """(label, K as scored, tree spec or None) for the recipe's eval mode."""
+    ev = recipe.eval
+    if ev.mode == "tree":
+        tree = TreeSpec(ev.tree.top_k, ev.tree.depth, ev.tree.budget)
+        return tree.describe(), tree.depth, tree
+    return f"chain(K={ev.num_speculative_tokens})", ev.num_speculative_tokens, None
+
+
+def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tuple[Path, list[dict[str, Any]]]:
+    target = load_target(recipe.target)
+    draft = load_draft_for(target, draft_path)
+    ev = recipe.eval
+    suites = [
+        load_suite(recipe.resolve_path(s, "eval.suites"), recipe, target.tokenizer, ev.num_prompts) for s in ev.suites
+    ]
+    out_dir = out_dir or recipe.run_dir / "verify" / time.strftime("%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dump = recipe.model_dump(mode="json")
+    atomic_write_bytes(out_dir / "recipe.yaml", yaml.safe_dump(dump, sort_keys=False).encode())
+    write_run_info(out_dir, dump)
+    shape, k, tree = shape_of(recipe)
+    total = 2 * sum(len(s.prompts) for s in suites) * len(ev.temperatures)
+    records = []
+    with tqdm(total=total, unit="prompt", desc="verify") as bar:
+        for suite in suites:
+            max_new = ev.max_new_tokens or suite.config.max_new_tokens
+            for temperature in ev.temperatures:
+                sampling = Sampling(temperature, ev.top_p)
+                bar.set_postfix(suite=suite.config.name, T=temperature, run="target-only")
+                baseline = run_baseline(target, suite, max_new, sampling, recipe.seed, bar)
+                decoder = SpeculativeDecoder(target, Eagle3Proposer(draft), sampling, k, tree)
+                bar.set_postfix(suite=suite.config.name, T=temperature, run=shape)
+                speculative = run_speculative(decoder, target, suite, max_new, recipe.seed, bar)
+                record = score(suite.config.name, shape, k, temperature, ev.top_p, speculative, baseline)
+                record["draft"] = str(draft_path)
+                record["max_new_tokens"] = max_new
+                record["device"] = str(target.model.device)
+                records.append(record)
+                log.info("%s", record)
+    write_outputs(out_dir, records)
+    return out_dir, records

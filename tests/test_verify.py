@@ -1,0 +1,227 @@
+"""The verify loop with the real SmolLM2 target on real prompts: exactness, cache bookkeeping, EOS/limits, scoring."""
+
+import json
+
+import pytest
+import torch
+
+from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
+from speculators_train.models.vocab import build_vocab_mapping
+from speculators_train.recipe import load_recipe
+from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain
+from speculators_train.verify.proposers import DraftTree, Eagle3Proposer, OracleProposer, TreeSpec
+from speculators_train.verify.run import eos_ids
+from speculators_train.verify.sampling import Sampling, target_probs
+
+pytestmark = pytest.mark.slow
+GREEDY = Sampling()
+QUESTIONS = [
+    "Explain what a hash table is in two sentences.",
+    "Write a Python function that reverses a string.",
+]
+
+
+def chat(target, text: str) -> list[int]:
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    return [chat(target, q) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def references(target, prompts):
+    """The target's own greedy continuations (40 tokens, EOS kept)."""
+    return [decode_plain(target, p, 40, eos_ids(target), GREEDY).tokens for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def random_draft(target):
+    """A deliberately bad draft: the real EAGLE-3 architecture with random weights, vocab from common tokens."""
+    torch.manual_seed(0)
+    config = Eagle3Config.for_target(target.config, target.aux_layer_ids, 1024, False)
+    draft = Eagle3Draft(config)
+    freq = torch.zeros(target.vocab_size)
+    freq[:1024] = 1
+    d2t, t2d = build_vocab_mapping(freq, 1024)
+    with torch.no_grad():
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+        draft.embed_tokens.weight.copy_(target.embed_tokens.weight)
+    return draft.eval()
+
+
+class NoisyOracle(OracleProposer):
+    """The target's own tokens, with every third proposal replaced: acceptance stops at varying depths, so
+    the rollback of the target's cache after partial acceptance is exercised."""
+
+    def _next(self, k: int) -> list[int]:
+        out = super()._next(k)
+        return [t if (self.length + i) % 3 else (t + 1) % 1000 for i, t in enumerate(out)]
+
+
+@pytest.mark.parametrize("tree", [None, TreeSpec(top_k=3, depth=4, budget=10)], ids=["chain", "tree"])
+@pytest.mark.parametrize("kind", ["random", "oracle", "noisy"])
+def test_greedy_speculative_output_is_the_targets_own(target, prompts, references, random_draft, kind, tree):
+    eos = eos_ids(target)
+    for prompt, reference in zip(prompts, references, strict=True):
+        if kind == "random":
+            proposer = Eagle3Proposer(random_draft)
+        else:
+            proposer = (OracleProposer if kind == "oracle" else NoisyOracle)(prompt + reference)
+        result = SpeculativeDecoder(target, proposer, GREEDY, 5, tree).generate(prompt, 40, eos)
+        assert result.tokens == reference
+        if kind == "oracle":
+            k = 5 if tree is None else tree.depth
+            # Every step accepts all K drafts, except the last one, cut by the limit or EOS.
+            assert all(a == k for a in result.accepted[:-1]), result.accepted
+        if kind == "noisy":
+            assert set(result.accepted) - {0}, "the noisy oracle never had a partial acceptance"
+
+
+def test_draft_cache_rolled_back_and_extended_matches_a_fresh_prefill(target, random_draft, prompts):
+    """Speculating, then committing, must leave the draft exactly where one prefill of the same pairs would."""
+    ids = prompts[0] + [510, 2365, 314, 253, 1345]
+    aux, _ = target.hidden_states(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
+    aux = aux[0]
+    n = len(prompts[0])
+    incremental = Eagle3Proposer(random_draft)
+    incremental.extend(ids[1:n], aux[: n - 1])
+    incremental.propose_chain(4, GREEDY, None)
+    incremental.propose_tree(TreeSpec(top_k=3, depth=3, budget=8))
+    incremental.extend(ids[n : n + 3], aux[n - 1 : n + 2])
+    incremental.propose_chain(2, GREEDY, None)
+    incremental.extend(ids[n + 3 :], aux[n + 2 : len(ids) - 1])
+    fresh = Eagle3Proposer(random_draft)
+    fresh.extend(ids[1:], aux[:-1])
+    assert incremental.committed == fresh.committed == len(ids) - 1
+    torch.testing.assert_close(incremental.logits, fresh.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(incremental.cache.keys, fresh.cache.keys, rtol=1e-4, atol=1e-4)
+
+
+def test_tree_nodes_see_only_their_ancestors(target, random_draft, prompts):
+    """A tree's best path is the greedy chain, whatever siblings were drafted beside it (a sibling leaking into
+    attention, or a wrong RoPE position per depth, would change the deeper tokens)."""
+    ids = prompts[1]
+    aux, _ = target.hidden_states(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
+    chain_proposer = Eagle3Proposer(random_draft)
+    chain_proposer.extend(ids[1:], aux[0, :-1])
+    chain, _ = chain_proposer.propose_chain(4, GREEDY, None)
+    for spec in (TreeSpec(top_k=1, depth=4, budget=4), TreeSpec(top_k=4, depth=4, budget=40)):
+        tree_proposer = Eagle3Proposer(random_draft)
+        tree_proposer.extend(ids[1:], aux[0, :-1])
+        tree = tree_proposer.propose_tree(spec)
+        node, path = -1, []
+        for _ in range(4):
+            node = tree.children[node][0]  # best child first
+            path.append(tree.tokens[node])
+        assert path == chain, spec
+
+
+def test_generation_stops_at_eos_and_at_the_limit_even_when_drafts_run_past(target, prompts, references):
+    eos = eos_ids(target)
+    prompt, reference = prompts[0], references[0]
+    # Pretend the target's 7th token is an end of sequence: drafts (the oracle) keep going past it.
+    stop = reference[6]
+    got = SpeculativeDecoder(target, OracleProposer(prompt + reference), GREEDY, 5).generate(prompt, 40, {stop})
+    assert got.tokens == reference[: reference.index(stop) + 1]
+    for limit in (1, 4, 13):
+        got = SpeculativeDecoder(target, OracleProposer(prompt + reference), GREEDY, 5).generate(prompt, limit, eos)
+        assert got.tokens == reference[:limit]
+
+
+class TargetSampler:
+    """Proposes tokens sampled from the target's own distribution at temperature 1.6 (flatter than the T=1 it is
+    verified at): drafts are accepted often but not always, so every branch of the rule runs."""
+
+    def __init__(self, target, prompt):
+        self.target, self.seq = target, list(prompt[:1])
+
+    def reset(self):
+        self.seq = self.seq[:1]
+
+    def extend(self, tokens, aux):
+        self.seq += tokens
+
+    def propose_chain(self, k, sampling, generator):
+        seq, tokens, qs = list(self.seq), [], []
+        for _ in range(k):
+            with torch.no_grad():
+                logits = self.target.model(torch.tensor([seq])).logits[0, -1]
+            q = torch.softmax(logits / 1.6, dim=-1)
+            token = int(torch.multinomial(q, 1, generator=generator))
+            tokens.append(token)
+            qs.append(q)
+            seq.append(token)
+        return tokens, torch.stack(qs)
+
+    def propose_tree(self, spec: TreeSpec) -> DraftTree:
+        raise NotImplementedError
+
+
+def test_sampled_first_and_second_tokens_follow_the_target(target):
+    """T=1 over 300 seeds: the first token (accepted draft or residual) and the second token after the most common
+    first token (a correction, or the bonus) match the target's exact distributions within 4x sampling noise."""
+    prompt = chat(target, "Count from 1 to 10, separated by commas.")
+    runs = 300
+    out = []
+    for seed in range(runs):
+        g = torch.Generator().manual_seed(seed)
+        decoder = SpeculativeDecoder(target, TargetSampler(target, prompt), Sampling(1.0), 1)
+        out.append(decoder.generate(prompt, 2, set(), g))
+    accepted = sum(sum(r.accepted) for r in out)
+    assert 0 < accepted < sum(len(r.accepted) for r in out), "drafts must be both accepted and rejected"
+
+    def check(prefix, samples):
+        with torch.no_grad():
+            p = target_probs(target.model(torch.tensor([prefix])).logits[0, -1], Sampling(1.0)).double()
+        counts = torch.bincount(torch.tensor(samples), minlength=p.numel()).double() / len(samples)
+        distance = 0.5 * float((counts - p).abs().sum())
+        noise = 0.5 * float((p * (1 - p) / len(samples)).sqrt().sum())
+        assert distance < 4 * noise, f"TV {distance:.3f} vs noise {noise:.3f}"
+
+    check(prompt, [r.tokens[0] for r in out])
+    first = max(set(r.tokens[0] for r in out), key=[r.tokens[0] for r in out].count)
+    second = [r.tokens[1] for r in out if r.tokens[0] == first]
+    assert len(second) >= 60
+    check([*prompt, first], second)
+
+
+def test_verify_command_writes_json_markdown_plot_and_the_recipe(tmp_path, target, random_draft):
+    from speculators_train.training.checkpoint import save_checkpoint
+    from speculators_train.verify.run import verify
+
+    from .conftest import SHAREGPT, make_recipe
+
+    save_checkpoint(tmp_path / "ckpt", 1, random_draft, None, {"step": 1}, keep_last=1)
+    recipe = load_recipe(
+        make_recipe(
+            tmp_path,
+            [{"name": "sharegpt", "path": SHAREGPT, "max_records": 60}],
+            eval={
+                "suites": ["eval/suites/sharegpt-held-out.yaml", "eval/suites/sharegpt-code.yaml"],
+                "num_prompts": 2,
+                "max_new_tokens": 8,
+                "temperatures": [0.0, 1.0],
+                "mode": "tree",
+            },
+        )
+    )
+    out_dir, records = verify(recipe, tmp_path / "ckpt", tmp_path / "out")
+    assert [(r["suite"], r["temperature"]) for r in records] == [
+        ("sharegpt-held-out", 0.0),
+        ("sharegpt-held-out", 1.0),
+        ("sharegpt-code", 0.0),
+        ("sharegpt-code", 1.0),
+    ]
+    for record in records:
+        rates = record["per_position_acceptance"]
+        assert record["acceptance_length"] == pytest.approx(1 + sum(rates))
+        assert record["shape"] == "tree(top_k=4, depth=5, budget=24)" and len(rates) == 5
+    assert records[0]["greedy_identical_outputs"] == "2/2"
+    assert json.loads((out_dir / "results.json").read_text()) == records
+    assert "| sharegpt-code |" in (out_dir / "results.md").read_text()
+    assert (out_dir / "acceptance.png").stat().st_size > 10_000
+    assert load_recipe(out_dir / "recipe.yaml").eval.mode == "tree"
