@@ -38,6 +38,7 @@ lint: install
 bench: install
 	$(PY) eval/bench_generate.py
 	$(PY) eval/bench_train.py
+	$(PY) eval/bench_verify.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -120,7 +120,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     recipe = _recipe(args)
     draft = Path(args.draft) if args.draft else recipe.run_dir / "train" / "checkpoints"
     out_dir, records = verify(recipe, draft, Path(args.out) if args.out else None)
-    console.print(markdown(records), markup=False, highlight=False)
+    print(markdown(records))
     for record in records:
         print(json.dumps({k: v for k, v in record.items() if k != "per_prompt_acceptance_length"}))
     console.print(f"results, recipe and plot: {out_dir}")

@@ -95,6 +95,7 @@ class RegenerateConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(512, gt=0)
     batch_size: int = Field(16, gt=0)
+    max_turns: int | None = Field(None, gt=0, description="Keep only the first N exchanges of each conversation.")
 
 
 class DataConfig(Section):

@@ -67,3 +67,11 @@ def test_replies_before_any_user_turn_are_dropped_not_a_crash(target):
     (out,) = regenerate([conv], target.model, target.tokenizer, cfg, max_length=512, seed=0)
     assert [m["role"] for m in out.messages] == ["system", "user", "assistant"]
     assert out.messages[2]["content"] != "ORIGINAL"
+
+
+@pytest.mark.slow
+def test_max_turns_keeps_only_the_first_exchanges(target):
+    turns = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "A"}) * 3
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=4, batch_size=1, max_turns=1)
+    (out,) = regenerate([Conversation("t:5", turns, "v")], target.model, target.tokenizer, cfg, 512, seed=0)
+    assert [m["role"] for m in out.messages] == ["user", "assistant"]

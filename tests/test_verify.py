@@ -225,3 +225,38 @@ def test_verify_command_writes_json_markdown_plot_and_the_recipe(tmp_path, targe
     assert "| sharegpt-code |" in (out_dir / "results.md").read_text()
     assert (out_dir / "acceptance.png").stat().st_size > 10_000
     assert load_recipe(out_dir / "recipe.yaml").eval.mode == "tree"
+
+
+def test_a_speculators_format_eagle3_made_elsewhere_loads_and_drafts_the_same(tmp_path, target, random_draft, prompts):
+    """A directory in the speculators/vLLM layout (written here by hand from SPEC section 5, not by our exporter)."""
+    from safetensors.torch import save_file
+
+    from speculators_train.verify.run import load_draft_for
+
+    cfg = random_draft.config
+    weights = {k: v.contiguous() for k, v in random_draft.state_dict().items()}
+    save_file(weights, tmp_path / "model.safetensors")
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": {**cfg.layer_config, "model_type": "llama"},
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "norm_before_residual": False,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": cfg.aux_layer_ids,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "verifier": {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"},
+        },
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    imported = load_draft_for(target, tmp_path)
+    ids = prompts[0]
+    aux, _ = target.hidden_states(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
+    mine, theirs = Eagle3Proposer(random_draft), Eagle3Proposer(imported)
+    mine.extend(ids[1:], aux[0, :-1])
+    theirs.extend(ids[1:], aux[0, :-1])
+    torch.testing.assert_close(theirs.logits, mine.logits)
+    assert theirs.propose_chain(5, GREEDY, None) == mine.propose_chain(5, GREEDY, None)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "norm_before_residual": True}))
+    assert load_draft_for(target, tmp_path).config.norm_before_residual  # the flag is read, not assumed

@@ -20,7 +20,7 @@ def regenerate(
     """Same conversations with every assistant turn produced by the target (seeded, so reruns match)."""
     generator_seed = torch.Generator().manual_seed(seed)
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator_seed)))
-    messages = [_without_leading_replies(list(c.messages)) for c in conversations]
+    messages = [_first_turns(_without_leading_replies(list(c.messages)), cfg.max_turns) for c in conversations]
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if tokenizer.pad_token is None:  # e.g. Llama-3 tokenizers ship without one; batching needs it
@@ -58,3 +58,11 @@ def _without_leading_replies(messages: list[dict[str, str]]) -> list[dict[str, s
     (ShareGPT has records that open with the model speaking): drop them."""
     first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
     return [m for i, m in enumerate(messages) if i >= first_user or m["role"] != "assistant"]
+
+
+def _first_turns(messages: list[dict[str, str]], max_turns: int | None) -> list[dict[str, str]]:
+    """Up to and including the `max_turns`-th assistant turn (all of them if None)."""
+    if max_turns is None:
+        return messages
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return messages if len(replies) <= max_turns else messages[: replies[max_turns - 1] + 1]

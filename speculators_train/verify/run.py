@@ -17,6 +17,7 @@ import yaml
 from tqdm import tqdm
 
 from speculators_train.errors import UserError
+from speculators_train.export.speculators import is_speculators_eagle3, load_speculators_eagle3
 from speculators_train.files import atomic_write_bytes
 from speculators_train.models.eagle3 import Eagle3Draft
 from speculators_train.recipe import Recipe
@@ -47,8 +48,12 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def load_draft_for(target: Target, path: Path) -> Eagle3Draft:
-    """The draft on the target's device and dtype, its embedding taken from the target, shapes checked."""
-    draft = ckpt.load_draft(resolve_checkpoint(path))
+    """A draft of ours (checkpoint dir) or a speculators-format EAGLE-3 directory made elsewhere, on the target's
+    device and dtype, its embedding taken from the target, shapes checked."""
+    if is_speculators_eagle3(path):
+        draft = load_speculators_eagle3(path, target.num_layers)
+    else:
+        draft = ckpt.load_draft(resolve_checkpoint(path))
     cfg = draft.config
     mismatches = [
         f"{name}: draft {mine}, target {theirs}"
@@ -99,6 +104,14 @@ def run_speculative(
     return out
 
 
+def warm_up(target: Target, decoder: SpeculativeDecoder, suite: Suite) -> None:
+    """One short untimed run of each path, so first-call costs (allocations, kernel selection) stay out of the
+    figures."""
+    prompt = suite.prompts[0].ids
+    decode_plain(target, prompt, 8, set(), Sampling(), torch.Generator(device=target.model.device))
+    decoder.generate(prompt, 8, set(), torch.Generator(device=target.model.device))
+
+
 def shape_of(recipe: Recipe) -> tuple[str, int, TreeSpec | None]:
     """(label, K as scored, tree spec or None) for the recipe's eval mode."""
     ev = recipe.eval
@@ -128,9 +141,10 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
             max_new = ev.max_new_tokens or suite.config.max_new_tokens
             for temperature in ev.temperatures:
                 sampling = Sampling(temperature, ev.top_p)
+                decoder = SpeculativeDecoder(target, Eagle3Proposer(draft), sampling, k, tree)
+                warm_up(target, decoder, suite)
                 bar.set_postfix(suite=suite.config.name, T=temperature, run="target-only")
                 baseline = run_baseline(target, suite, max_new, sampling, recipe.seed, bar)
-                decoder = SpeculativeDecoder(target, Eagle3Proposer(draft), sampling, k, tree)
                 bar.set_postfix(suite=suite.config.name, T=temperature, run=shape)
                 speculative = run_speculative(decoder, target, suite, max_new, recipe.seed, bar)
                 record = score(suite.config.name, shape, k, temperature, ev.top_p, speculative, baseline)

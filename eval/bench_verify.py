@@ -1,0 +1,100 @@
+"""Benchmark real speculative decoding: acceptance length and speedup over target-only decoding.
+
+    .venv/bin/python eval/bench_verify.py                                   # recipes/eagle3.yaml, its best draft
+    .venv/bin/python eval/bench_verify.py --ks 3,5,7 --temperatures 0,1 --prompts 12 --max-new-tokens 96
+
+On one suite (default: the recipe's first), decodes the same prompts target-only once per temperature (the
+baseline), then speculatively with each chain K and with the recipe's tree, and finally with an oracle draft (the
+target's own greedy tokens: acceptance length K+1), which shows the ceiling this machine allows. Every run is
+preceded by an untimed warm-up. Prints one JSON line per setting and a table with where the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from speculators_train.recipe import load_recipe
+from speculators_train.target import load_target
+from speculators_train.verify.decoder import SpeculativeDecoder
+from speculators_train.verify.proposers import Eagle3Proposer, OracleProposer, TreeSpec
+from speculators_train.verify.report import score
+from speculators_train.verify.run import eos_ids, load_draft_for, run_baseline, run_speculative, warm_up
+from speculators_train.verify.sampling import Sampling
+from speculators_train.verify.suites import load_suite
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default=str(REPO / "recipes" / "eagle3.yaml"))
+    parser.add_argument("--draft", help="checkpoint or checkpoints dir; default: the recipe's best")
+    parser.add_argument("--ks", default="3,5,7")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--prompts", type=int, default=12)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--no-tree", action="store_true")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    recipe = load_recipe(args.recipe, {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in args.set)})
+    target = load_target(recipe.target)
+    draft_path = Path(args.draft) if args.draft else recipe.run_dir / "train" / "checkpoints"
+    draft = load_draft_for(target, draft_path)
+    suite_path = recipe.resolve_path(recipe.eval.suites[0], "eval.suites")
+    suite = load_suite(suite_path, recipe, target.tokenizer, args.prompts)
+    t = recipe.eval.tree
+    shapes: list[tuple[str, int, TreeSpec | None]] = [(f"chain(K={k})", k, None) for k in map(int, args.ks.split(","))]
+    if not args.no_tree:
+        tree = TreeSpec(t.top_k, t.depth, t.budget)
+        shapes.append((tree.describe(), tree.depth, tree))
+    records = []
+    for temperature in map(float, args.temperatures.split(",")):
+        sampling = Sampling(temperature, recipe.eval.top_p)
+        runs = len(shapes) + 1 + (temperature == 0)
+        with tqdm(total=runs * len(suite.prompts), unit="prompt", desc=f"T={temperature:g}") as bar:
+            warm_up(target, SpeculativeDecoder(target, Eagle3Proposer(draft), sampling, 5), suite)
+            baseline = run_baseline(target, suite, args.max_new_tokens, sampling, recipe.seed, bar)
+            for shape, k, tree in shapes:
+                decoder = SpeculativeDecoder(target, Eagle3Proposer(draft), sampling, k, tree)
+                spec = run_speculative(decoder, target, suite, args.max_new_tokens, recipe.seed, bar)
+                records.append(score(suite.config.name, shape, k, temperature, recipe.eval.top_p, spec, baseline))
+            if temperature == 0:  # the ceiling: a draft that is always right
+                oracle = []
+                for prompt, base in zip(suite.prompts, baseline, strict=True):
+                    proposer = OracleProposer(prompt.ids + base.tokens)
+                    decoder = SpeculativeDecoder(target, proposer, sampling, 5)
+                    oracle.append(decoder.generate(prompt.ids, args.max_new_tokens, eos_ids(target)))
+                    bar.update(1)
+                records.append(score(suite.config.name, "oracle chain(K=5)", 5, 0.0, 1.0, oracle, baseline))
+    for record in records:
+        record.pop("per_prompt_acceptance_length")
+        record.update(device=str(target.model.device), draft=str(draft_path), max_new_tokens=args.max_new_tokens)
+        print(json.dumps(record))
+    table = Table(title=f"{suite.config.name}: {len(suite.prompts)} prompts x {args.max_new_tokens} new tokens")
+    for column in ("shape", "T", "AL", "per-position", "target tok/s", "spec tok/s", "speedup", "draft/verify/other s"):
+        table.add_column(column, justify="right")
+    for r in records:
+        s = r["seconds"]
+        table.add_row(
+            r["shape"],
+            f"{r['temperature']:g}",
+            f"{r['acceptance_length']:.2f}",
+            " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]),
+            f"{r['target_only_tokens_per_s']:.1f}",
+            f"{r['speculative_tokens_per_s']:.1f}",
+            f"{r['speedup']:.2f}x",
+            f"{s['spec_draft']:.1f}/{s['spec_verify']:.1f}/{s['spec_prefill'] + s['spec_bookkeeping']:.1f}",
+        )
+    Console(file=sys.stderr).print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Draft formats engines read: the speculators/vLLM layout (and, later, SGLang/EAGLE), written and read back."""
