@@ -27,17 +27,28 @@ def regenerate(
         tokenizer.pad_token = tokenizer.eos_token
     for turn in range(max((len(m) for m in messages), default=0)):
         todo = [i for i, m in enumerate(messages) if turn < len(m) and m[turn]["role"] == "assistant"]
-        for start in range(0, len(todo), cfg.batch_size):
-            batch = todo[start : start + cfg.batch_size]
-            prompts = [
-                tokenizer.apply_chat_template(messages[i][:turn], tokenize=False, add_generation_prompt=True)
-                for i in batch
-            ]
-            enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-            too_long = enc["attention_mask"].sum(1) >= max_length
+        prompts = {
+            i: tokenizer.apply_chat_template(messages[i][:turn], tokenize=False, add_generation_prompt=True)
+            for i in todo
+        }
+        lengths = {i: len(tokenizer(prompts[i], add_special_tokens=False)["input_ids"]) for i in todo}
+        for i in todo:
+            if lengths[i] >= max_length:  # past max_length the rest is truncated away anyway: end it here
+                messages[i] = messages[i][:turn]
+        # Similar lengths batch together (little padding), and nobody generates what truncation would drop.
+        fits = sorted((i for i in todo if lengths[i] < max_length), key=lambda i: (lengths[i], i))
+        for start in range(0, len(fits), cfg.batch_size):
+            batch = fits[start : start + cfg.batch_size]
+            enc = tokenizer(
+                [prompts[i] for i in batch],
+                return_tensors="pt",
+                padding=True,
+                padding_side="left",
+                add_special_tokens=False,
+            )
             out = model.generate(
                 **enc.to(device),
-                max_new_tokens=cfg.max_new_tokens,
+                max_new_tokens=min(cfg.max_new_tokens, max_length - lengths[batch[0]]),
                 do_sample=cfg.temperature > 0,
                 temperature=cfg.temperature if cfg.temperature > 0 else None,
                 top_p=cfg.top_p if cfg.temperature > 0 else None,
@@ -45,10 +56,12 @@ def regenerate(
                 pad_token_id=pad_id,
             )
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-            for i, text, cut in zip(batch, texts, too_long.tolist(), strict=True):
-                # Past max_length the rest is truncated away anyway: stop the conversation here.
-                reply = [] if cut else [{"role": "assistant", "content": text.strip()}]
-                messages[i] = [*messages[i][:turn], *reply, *(messages[i][turn + 1 :] if reply else [])]
+            for i, text in zip(batch, texts, strict=True):
+                messages[i] = [
+                    *messages[i][:turn],
+                    {"role": "assistant", "content": text.strip()},
+                    *messages[i][turn + 1 :],
+                ]
     # A conversation cut before its first assistant turn is counted as a skip when rendered.
     return [Conversation(c.id, tuple(m), c.origin) for c, m in zip(conversations, messages, strict=True)]
 
