@@ -125,7 +125,9 @@ class WandbConfig(Section):
 
 
 class DeepSpeedConfig(Section):
-    zero_stage: Literal[0, 1, 2] = Field(2, description="ZeRO-3 would shard the draft's weights; not supported.")
+    zero_stage: Literal[1, 2] = Field(
+        2, description="ZeRO-3 would shard the draft's weights, and stage 0 is plain DDP: neither is supported."
+    )
     offload_optimizer: bool = False
 
 

@@ -90,8 +90,9 @@ def test_invalid_training_and_eagle3_keys(tmp_path):
     assert f"{path}: eagle3.ttt_steps: Input should be greater than 0 (got 0)" in text
 
 
-def test_deepspeed_stage_must_be_valid(tmp_path):
-    path = write(tmp_path, "name: x\ndata: {mix: m.yaml}\ntraining: {deepspeed: {zero_stage: 5}}\n")
+@pytest.mark.parametrize("stage", [0, 3, 5])
+def test_deepspeed_stage_must_be_one_or_two(tmp_path, stage):
+    path = write(tmp_path, f"name: x\ndata: {{mix: m.yaml}}\ntraining: {{deepspeed: {{zero_stage: {stage}}}}}\n")
     with pytest.raises(UserError, match=r"training\.deepspeed\.zero_stage"):
         load_recipe(path)
 

@@ -260,3 +260,18 @@ def test_a_speculators_format_eagle3_made_elsewhere_loads_and_drafts_the_same(tm
     assert theirs.propose_chain(5, GREEDY, None) == mine.propose_chain(5, GREEDY, None)
     (tmp_path / "config.json").write_text(json.dumps({**config, "norm_before_residual": True}))
     assert load_draft_for(target, tmp_path).config.norm_before_residual  # the flag is read, not assumed
+
+
+def test_a_draft_cast_to_bf16_keeps_rope_frequencies_in_fp32(tmp_path, random_draft):
+    """Casting a module casts its float buffers too; RoPE's inv_freq rounded to bf16 shifts far positions."""
+    from speculators_train.recipe import TargetConfig
+    from speculators_train.target import load_target
+    from speculators_train.training.checkpoint import save_checkpoint
+    from speculators_train.verify.run import load_draft_for
+
+    save_checkpoint(tmp_path, 1, random_draft, None, {"step": 1}, keep_last=1)
+    bf16 = load_target(TargetConfig(dtype="bfloat16", device="cpu"))
+    draft = load_draft_for(bf16, tmp_path / "step-000001")
+    assert draft.fc.weight.dtype == torch.bfloat16
+    assert draft.rotary_emb.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(draft.rotary_emb.inv_freq, random_draft.rotary_emb.inv_freq.float(), rtol=0, atol=0)

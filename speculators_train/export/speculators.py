@@ -39,9 +39,9 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_speculators_eagle3(path: Path, target_num_layers: int) -> Eagle3Draft:
-    """A draft from a speculators-format directory; the embedding is the caller's to fill from the target when the
-    file has none (vLLM shares the target's)."""
+def load_speculators_eagle3(path: Path, target_num_layers: int) -> tuple[Eagle3Draft, bool]:
+    """A draft from a speculators-format directory, and whether the file carried `embed_tokens` (vLLM then keeps
+    it); if not, the caller fills the embedding from the target."""
     config = read_json(path / "config.json", "draft config")
     layer = dict(config.get("transformer_layer_config") or {})
     missing = [key for key in ("hidden_size", "vocab_size", "num_attention_heads") if key not in layer]
@@ -49,8 +49,20 @@ def load_speculators_eagle3(path: Path, target_num_layers: int) -> Eagle3Draft:
         raise UserError(
             f"{path / 'config.json'}: not an EAGLE-3 speculators config (missing {missing or 'draft_vocab_size'})"
         )
+    unsupported = [key for key in ("norm_before_fc", "fc_norm", "norm_output") if config.get(key)]
+    if unsupported:
+        raise UserError(f"{path / 'config.json'}: {unsupported} set; this draft class implements neither")
     layer.update(num_hidden_layers=1, tie_word_embeddings=False)
-    for key in ("transformers_version", "dtype", "torch_dtype", "_name_or_path", "architectures", "model_type"):
+    for key in (
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "_name_or_path",
+        "architectures",
+        "model_type",
+        "layer_types",
+        "mlp_layer_types",
+    ):
         layer.pop(key, None)
     n = target_num_layers
     aux = config.get("eagle_aux_hidden_state_layer_ids") or [2, n // 2, n - 3]
@@ -71,9 +83,10 @@ def load_speculators_eagle3(path: Path, target_num_layers: int) -> Eagle3Draft:
         if name in weights:
             weights[name] = weights[name].to(torch.int64 if name == "d2t" else torch.bool)
     missing_keys, unexpected = draft.load_state_dict(weights, strict=False)
+    has_embedding = "embed_tokens.weight" not in missing_keys
     missing_keys = [k for k in missing_keys if k != "embed_tokens.weight"]
     if missing_keys or unexpected:
         raise UserError(
             f"{path}: weights do not fit an EAGLE-3 draft (missing {missing_keys}, unexpected {unexpected})"
         )
-    return draft
+    return draft, has_embedding

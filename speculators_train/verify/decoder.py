@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
+from speculators_train.errors import UserError
 from speculators_train.target import Target
 from speculators_train.verify import sampling as rules
 from speculators_train.verify.proposers import DraftTree, Proposer, TreeSpec
@@ -58,6 +60,13 @@ class TargetRunner:
         self.model = target.model
         self.device = next(self.model.parameters()).device
         self.cache = DynamicCache(config=self.model.config)
+        sliding = [type(layer).__name__ for layer in self.cache.layers if type(layer) is not DynamicLayer]
+        if sliding:
+            # Rollback indexes the cache by absolute position; a sliding window keeps only the last keys.
+            raise UserError(
+                f"target {target.config.model_type!r} uses {sliding[0]} cache layers (sliding-window attention); "
+                "the verify loop supports full-attention targets only"
+            )
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)

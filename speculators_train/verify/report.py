@@ -4,6 +4,8 @@ For verify step t with K drafted positions (a tree counts its depth), a_t is the
     acceptance length      AL  = 1 + mean(a_t)          (the +1 is the target's correction or bonus token)
     per-position rate      r_i = mean(a_t >= i + 1)      so AL = 1 + sum_i r_i
     draft acceptance rate      = sum(a_t) / (steps * K)
+a_t is what the target accepted, counted before the output is cut at EOS or the token limit (as vLLM's
+sampler counts it), so the last step of a sequence may count drafts that were not emitted.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import yaml
 from tqdm import tqdm
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from speculators_train.errors import UserError
 from speculators_train.export.speculators import is_speculators_eagle3, load_speculators_eagle3
@@ -51,9 +52,9 @@ def load_draft_for(target: Target, path: Path) -> Eagle3Draft:
     """A draft of ours (checkpoint dir) or a speculators-format EAGLE-3 directory made elsewhere, on the target's
     device and dtype, its embedding taken from the target, shapes checked."""
     if is_speculators_eagle3(path):
-        draft = load_speculators_eagle3(path, target.num_layers)
+        draft, has_embedding = load_speculators_eagle3(path, target.num_layers)
     else:
-        draft = ckpt.load_draft(resolve_checkpoint(path))
+        draft, has_embedding = ckpt.load_draft(resolve_checkpoint(path)), False  # ours never store it
     cfg = draft.config
     mismatches = [
         f"{name}: draft {mine}, target {theirs}"
@@ -68,9 +69,14 @@ def load_draft_for(target: Target, path: Path) -> Eagle3Draft:
     if mismatches:
         raise UserError(f"{path}: draft does not fit the target ({'; '.join(mismatches)})")
     target.aux_layer_ids = list(cfg.aux_layer_ids)  # capture what this draft was trained on
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(target.embed_tokens.weight)
-    return draft.to(device=next(target.model.parameters()).device, dtype=target.dtype).eval()
+    if not has_embedding:
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(target.embed_tokens.weight)
+    device = next(target.model.parameters()).device
+    draft = draft.to(device=device, dtype=target.dtype).eval()
+    # `.to(dtype)` also rounds RoPE's inv_freq buffer; rebuild it in fp32 as training and engines keep it.
+    draft.rotary_emb = LlamaRotaryEmbedding(cfg.llama).to(device)
+    return draft
 
 
 def eos_ids(target: Target) -> set[int]:
