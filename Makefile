@@ -23,7 +23,7 @@ demo: install
 	$(VENV)/bin/speculators-train generate $(RECIPE)
 	$(VENV)/bin/speculators-train validate $(RECIPE)
 	$(VENV)/bin/speculators-train train $(RECIPE)
-	$(VENV)/bin/speculators-train verify $(RECIPE) --set eval.num_prompts=6 --set eval.max_new_tokens=64
+	$(VENV)/bin/speculators-train verify $(RECIPE) --set eval.num_prompts=4 --set eval.max_new_tokens=48
 
 test: install
 	$(VENV)/bin/ruff check .
