@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,28 +87,29 @@ def eos_ids(target: Target) -> set[int]:
     return {i for i in ids if i is not None}
 
 
+def _run_prompts(
+    target: Target, suite: Suite, seed: int, bar: tqdm, decode: Callable[[list[int], torch.Generator], Generation]
+) -> list[Generation]:
+    """Prompt i gets generator seed `seed + i` on every path, so baseline and speculative runs sample alike."""
+    out = []
+    for i, prompt in enumerate(suite.prompts):
+        out.append(decode(prompt.ids, torch.Generator(device=target.model.device).manual_seed(seed + i)))
+        bar.update(1)
+    return out
+
+
 def run_baseline(
     target: Target, suite: Suite, max_new: int, sampling: Sampling, seed: int, bar: tqdm
 ) -> list[Generation]:
     eos = eos_ids(target)
-    out = []
-    for i, prompt in enumerate(suite.prompts):
-        generator = torch.Generator(device=target.model.device).manual_seed(seed + i)
-        out.append(decode_plain(target, prompt.ids, max_new, eos, sampling, generator))
-        bar.update(1)
-    return out
+    return _run_prompts(target, suite, seed, bar, lambda ids, g: decode_plain(target, ids, max_new, eos, sampling, g))
 
 
 def run_speculative(
     decoder: SpeculativeDecoder, target: Target, suite: Suite, max_new: int, seed: int, bar: tqdm
 ) -> list[Generation]:
     eos = eos_ids(target)
-    out = []
-    for i, prompt in enumerate(suite.prompts):
-        generator = torch.Generator(device=target.model.device).manual_seed(seed + i)
-        out.append(decoder.generate(prompt.ids, max_new, eos, generator))
-        bar.update(1)
-    return out
+    return _run_prompts(target, suite, seed, bar, lambda ids, g: decoder.generate(ids, max_new, eos, g))
 
 
 def warm_up(target: Target, decoder: SpeculativeDecoder, suite: Suite) -> None:
