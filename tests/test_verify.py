@@ -13,6 +13,8 @@ from speculators_train.verify.proposers import DraftTree, Eagle3Proposer, Oracle
 from speculators_train.verify.run import eos_ids
 from speculators_train.verify.sampling import Sampling, target_probs
 
+from .test_sampling_rules import tv, tv_threshold
+
 pytestmark = pytest.mark.slow
 GREEDY = Sampling()
 QUESTIONS = [
@@ -176,11 +178,9 @@ def test_sampled_first_and_second_tokens_follow_the_target(target):
 
     def check(prefix, samples):
         with torch.no_grad():
-            p = target_probs(target.model(torch.tensor([prefix])).logits[0, -1], Sampling(1.0)).double()
-        counts = torch.bincount(torch.tensor(samples), minlength=p.numel()).double() / len(samples)
-        distance = 0.5 * float((counts - p).abs().sum())
-        noise = 0.5 * float((p * (1 - p) / len(samples)).sqrt().sum())
-        assert distance < 4 * noise, f"TV {distance:.3f} vs noise {noise:.3f}"
+            p = target_probs(target.model(torch.tensor([prefix])).logits[0, -1], Sampling(1.0))
+        distance, threshold = tv(samples, p), tv_threshold(p, len(samples))
+        assert distance < threshold, f"TV {distance:.3f} vs 4x noise {threshold:.3f}"
 
     check(prompt, [r.tokens[0] for r in out])
     first = max(set(r.tokens[0] for r in out), key=[r.tokens[0] for r in out].count)

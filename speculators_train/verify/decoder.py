@@ -13,7 +13,9 @@ the draft, which crops away its own speculative entries first.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +42,15 @@ class Generation:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _timed(result: Generation, phase: str, device: torch.device) -> Iterator[None]:
+    """Add the block's wall time (device work included) to `result.<phase>`."""
+    start = time.perf_counter()
+    yield
+    _sync(device)
+    setattr(result, phase, getattr(result, phase) + time.perf_counter() - start)
 
 
 def _cut(new: list[int], have: int, max_new_tokens: int, eos: set[int]) -> tuple[list[int], bool]:
@@ -147,29 +158,22 @@ class SpeculativeDecoder:
         started = time.perf_counter()
         runner.reset()
         self.proposer.reset()
-        _, aux = runner.forward(prompt[:-1])
-        _sync(device)
-        tick = time.perf_counter()
-        result.prefill_seconds = tick - started
-        self.proposer.extend(prompt[1:], aux)
-        _sync(device)
-        result.draft_seconds += time.perf_counter() - tick
+        with _timed(result, "prefill_seconds", device):
+            _, aux = runner.forward(prompt[:-1])
+        with _timed(result, "draft_seconds", device):
+            self.proposer.extend(prompt[1:], aux)
         pending, done = prompt[-1], max_new_tokens <= 0
         while not done:
-            tick = time.perf_counter()
-            if self.tree is None:
-                drafts, q = self.proposer.propose_chain(self.k, self.sampling, generator)
-                tree = None
-            else:
-                tree = self.proposer.propose_tree(self.tree)
-                drafts, q = tree.tokens, None
-            _sync(device)
-            result.draft_seconds += time.perf_counter() - tick
-            tick = time.perf_counter()
+            with _timed(result, "draft_seconds", device):
+                if self.tree is None:
+                    drafts, q = self.proposer.propose_chain(self.k, self.sampling, generator)
+                    tree = None
+                else:
+                    tree = self.proposer.propose_tree(self.tree)
+                    drafts, q = tree.tokens, None
             before = runner.length
-            logits, aux = runner.forward([pending, *drafts], tree)
-            _sync(device)
-            result.verify_seconds += time.perf_counter() - tick
+            with _timed(result, "verify_seconds", device):
+                logits, aux = runner.forward([pending, *drafts], tree)
             path, token = self._accept(drafts, q, logits, tree, generator)
             result.accepted.append(len(path))
             new = [drafts[node] for node in path] + [token]
@@ -178,10 +182,8 @@ class SpeculativeDecoder:
             if done:
                 break
             runner.keep(before + 1, [before + 1 + node for node in path])
-            tick = time.perf_counter()
-            self.proposer.extend(new, aux[[0, *(1 + node for node in path)]])
-            _sync(device)
-            result.draft_seconds += time.perf_counter() - tick
+            with _timed(result, "draft_seconds", device):
+                self.proposer.extend(new, aux[[0, *(1 + node for node in path)]])
             pending = token
         result.seconds = time.perf_counter() - started
         return result
@@ -236,9 +238,8 @@ def decode_plain(
     runner.reset()
     result = Generation(tokens=[])
     if max_new_tokens > 0:
-        runner.forward(prompt[:-1], capture=False)
-        _sync(runner.device)
-        result.prefill_seconds = time.perf_counter() - started
+        with _timed(result, "prefill_seconds", runner.device):
+            runner.forward(prompt[:-1], capture=False)
         pending, done = prompt[-1], False
         while not done:
             logits, _ = runner.forward([pending], capture=False)

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from speculators_train.models.eagle3 import DraftCache, Eagle3Draft
+from speculators_train.models.vocab import draft_to_target
 from speculators_train.verify.sampling import Sampling
 
 
@@ -70,8 +71,7 @@ class Eagle3Proposer:
     def __init__(self, draft: Eagle3Draft) -> None:
         self.draft = draft.eval()
         self.device = next(draft.parameters()).device
-        self.d2t = draft.d2t.to(self.device)
-        self.targets = torch.arange(draft.config.draft_vocab_size, device=self.device) + self.d2t
+        self.targets = draft_to_target(draft.d2t.to(self.device))  # target id of each draft id
         self.reset()
 
     def reset(self) -> None:
@@ -96,9 +96,6 @@ class Eagle3Proposer:
         out, logits = self._step(ids, hidden, positions, _allowed_causal(self.committed, m, self.device))
         self.committed += m
         self.hidden, self.logits = out[:, -1:], logits[0, -1]
-
-    def _to_target(self, draft_ids: torch.Tensor) -> list[int]:
-        return self.targets[draft_ids].tolist()
 
     @torch.inference_mode()
     def propose_chain(

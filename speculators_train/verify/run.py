@@ -7,7 +7,6 @@ the exact recipe used.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,8 +30,6 @@ from speculators_train.verify.proposers import Eagle3Proposer, TreeSpec
 from speculators_train.verify.report import score, write_outputs
 from speculators_train.verify.sampling import Sampling
 from speculators_train.verify.suites import Suite, load_suite
-
-log = logging.getLogger(__name__)
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -160,6 +157,5 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
                 record["max_new_tokens"] = max_new
                 record["device"] = str(target.model.device)
                 records.append(record)
-                log.info("%s", record)
     write_outputs(out_dir, records)
     return out_dir, records
