@@ -275,3 +275,28 @@ def test_a_draft_cast_to_bf16_keeps_rope_frequencies_in_fp32(tmp_path, random_dr
     assert draft.fc.weight.dtype == torch.bfloat16
     assert draft.rotary_emb.inv_freq.dtype == torch.float32
     torch.testing.assert_close(draft.rotary_emb.inv_freq, random_draft.rotary_emb.inv_freq.float(), rtol=0, atol=0)
+
+
+def test_a_draft_for_another_target_or_a_suite_without_prompts_is_refused(tmp_path, target):
+    from transformers import LlamaConfig
+
+    from speculators_train.errors import UserError
+    from speculators_train.training.checkpoint import save_checkpoint
+    from speculators_train.verify.run import load_draft_for
+    from speculators_train.verify.suites import load_suite
+
+    from .conftest import SHAREGPT, make_recipe
+
+    other = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    save_checkpoint(tmp_path, 1, Eagle3Draft(Eagle3Config.for_target(other, [1, 2, 3], 64, False)), None, {}, 1)
+    with pytest.raises(UserError, match=r"draft does not fit the target \(hidden size: draft 64, target 576"):
+        load_draft_for(target, tmp_path / "step-000001")
+
+    recipe = load_recipe(make_recipe(tmp_path / "r", [{"name": "sharegpt", "path": SHAREGPT, "max_records": 30}]))
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("name: none\nsplit: held_out\nmatch: 'zzzz-no-such-words-zzzz'\n")
+    with pytest.raises(UserError, match=r"suite 'none' found no prompts \(held_out split of .*matching"):
+        load_suite(suite, recipe, target.tokenizer)
+    suite.write_text("name: bad\nmatch: '(unclosed'\n")
+    with pytest.raises(UserError, match=r"suite.yaml: match: .*not a valid regular expression"):
+        load_suite(suite, recipe, target.tokenizer)
