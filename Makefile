@@ -10,11 +10,19 @@ RECIPE ?= recipes/eagle3.yaml
 # Torch: keep whatever torch the environment already has (a GPU user's CUDA build); otherwise take the
 # CPU build torch==2.13.0. Everything else is installed against a constraint pinning that torch, so no
 # dependency can swap it for a multi-GB CUDA download.
-$(STAMP): pyproject.toml
+# The `speculators` library is installed only to prove our exports load in it (tests/test_export.py). Its
+# metadata pins torch, transformers and datasets ranges this project does not share (and would pull a CUDA
+# torch), so it goes in without dependencies, followed by the few it imports that we lack.
+SPECULATORS := speculators==0.9.0 hs-connectors==0.9.0
+SPECULATORS_DEPS := "loguru>=0.7.2,<=0.7.3" pydantic-settings aiohttp
+
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
 	$(PY) -m pip install -c $(VENV)/torch-constraint.txt -e ".[dev]"
+	$(PY) -m pip install -c $(VENV)/torch-constraint.txt --no-deps $(SPECULATORS)
+	$(PY) -m pip install -c $(VENV)/torch-constraint.txt $(SPECULATORS_DEPS)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -47,7 +47,7 @@ def main() -> None:
     recipe = load_recipe(args.recipe, {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in args.set)})
     target = load_target(recipe.target)
     draft_path = Path(args.draft) if args.draft else recipe.run_dir / "train" / "checkpoints"
-    draft = load_draft_for(target, draft_path)
+    draft, _ = load_draft_for(target, draft_path)
     suite_path = recipe.resolve_path(recipe.eval.suites[0], "eval.suites")
     suite = load_suite(suite_path, recipe, target.tokenizer, args.prompts)
     t = recipe.eval.tree

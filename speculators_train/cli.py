@@ -127,12 +127,34 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from speculators_train.export.run import export
+
+    recipe = _recipe(args)
+    done = export(
+        recipe,
+        Path(args.checkpoint) if args.checkpoint else None,
+        args.format,
+        Path(args.out) if args.out else None,
+        args.dtype,
+        args.force,
+    )
+    console.print(f"exported {done.format} draft for {done.verifier} to {done.path}")
+    for note in done.notes:
+        console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
+    console.print("serve it with:")
+    for command in done.commands:
+        print(command)
+    return 0
+
+
 COMMANDS = {
     "data": (cmd_data, "read the data mix and report record counts and skips"),
     "generate": (cmd_generate, "run the target over the data and store its hidden states (resumable)"),
     "train": (cmd_train, "train the draft from the generated hidden states (resumes from the last checkpoint)"),
     "validate": (cmd_validate, "check every hidden-state shard against the manifest (recipe or directory)"),
     "verify": (cmd_verify, "speculative decoding with the real target: acceptance length, speedup, exactness"),
+    "export": (cmd_export, "write the draft for vLLM (speculators format) or SGLang, with tokenizer and a card"),
 }
 
 
@@ -147,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "verify":
             p.add_argument("--draft", help="checkpoint dir, or a checkpoints/run dir (its best); default: the recipe's")
             p.add_argument("--out", help="output dir; default <run dir>/verify/<timestamp>")
+        if name == "export":
+            p.add_argument(
+                "--checkpoint", help="checkpoint dir, checkpoints/run dir (its best), or a draft made elsewhere"
+            )
+            p.add_argument("--format", choices=["speculators", "sglang"], help="default: the recipe's export.format")
+            p.add_argument("--out", help="output dir; default <run dir>/export/<format>")
+            p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: export.dtype")
+            p.add_argument("--force", action="store_true", help="replace an existing output dir")
         p.set_defaults(func=func)
     return parser
 

@@ -161,7 +161,10 @@ class Eagle3Section(Section):
 
 class ExportConfig(Section):
     format: Literal["speculators", "sglang"] = "speculators"
-    dtype: DTypeName = "bfloat16"
+    dtype: DTypeName = Field("bfloat16", description="Float weights; d2t stays int64 and t2d bool.")
+    verifier: str | None = Field(
+        None, description="Where engines load the target from; default: its hub id (a local path otherwise)."
+    )
 
 
 class TreeConfig(Section):

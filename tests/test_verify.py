@@ -250,7 +250,7 @@ def test_a_speculators_format_eagle3_made_elsewhere_loads_and_drafts_the_same(tm
         },
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    imported = load_draft_for(target, tmp_path)
+    imported, _ = load_draft_for(target, tmp_path)
     ids = prompts[0]
     aux, _ = target.hidden_states(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
     mine, theirs = Eagle3Proposer(random_draft), Eagle3Proposer(imported)
@@ -259,7 +259,7 @@ def test_a_speculators_format_eagle3_made_elsewhere_loads_and_drafts_the_same(tm
     torch.testing.assert_close(theirs.logits, mine.logits)
     assert theirs.propose_chain(5, GREEDY, None) == mine.propose_chain(5, GREEDY, None)
     (tmp_path / "config.json").write_text(json.dumps({**config, "norm_before_residual": True}))
-    assert load_draft_for(target, tmp_path).config.norm_before_residual  # the flag is read, not assumed
+    assert load_draft_for(target, tmp_path)[0].config.norm_before_residual  # the flag is read, not assumed
 
 
 def test_a_draft_cast_to_bf16_keeps_rope_frequencies_in_fp32(tmp_path, random_draft):
@@ -271,7 +271,7 @@ def test_a_draft_cast_to_bf16_keeps_rope_frequencies_in_fp32(tmp_path, random_dr
 
     save_checkpoint(tmp_path, 1, random_draft, None, {"step": 1}, keep_last=1)
     bf16 = load_target(TargetConfig(dtype="bfloat16", device="cpu"))
-    draft = load_draft_for(bf16, tmp_path / "step-000001")
+    draft, _ = load_draft_for(bf16, tmp_path / "step-000001")
     assert draft.fc.weight.dtype == torch.bfloat16
     assert draft.rotary_emb.inv_freq.dtype == torch.float32
     torch.testing.assert_close(draft.rotary_emb.inv_freq, random_draft.rotary_emb.inv_freq.float(), rtol=0, atol=0)

@@ -43,6 +43,7 @@ class Eagle3Config:
     aux_layer_ids: list[int]
     norm_before_residual: bool = False
     target_vocab_size: int = field(default=0)
+    target_num_layers: int = 0  # the target's decoder layer count (0: unknown, e.g. an imported draft)
 
     def __post_init__(self) -> None:
         if not self.target_vocab_size:
@@ -77,7 +78,14 @@ class Eagle3Config:
         ).to_dict()
         for key in ("transformers_version", "dtype", "torch_dtype", "_name_or_path"):
             layer.pop(key, None)
-        return cls(layer, target_config.hidden_size, draft_vocab_size, list(aux_layer_ids), norm_before_residual)
+        return cls(
+            layer,
+            target_config.hidden_size,
+            draft_vocab_size,
+            list(aux_layer_ids),
+            norm_before_residual,
+            target_num_layers=target_config.num_hidden_layers,
+        )
 
 
 def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: list[KV], scale: float) -> torch.Tensor:

@@ -86,6 +86,20 @@ def latest_checkpoint(root: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint directory itself, or a checkpoints/ (or run) directory: its best, else its latest."""
+    if (path / "draft_config.json").is_file():
+        return path
+    for root in (path, path / "checkpoints", path / "train" / "checkpoints"):
+        pointer = read_pointer(root / "best.json") if (root / "best.json").is_file() else None
+        if pointer is not None and (root / f"step-{int(pointer['step']):06d}").is_dir():
+            return root / f"step-{int(pointer['step']):06d}"
+        latest = latest_checkpoint(root) if root.is_dir() else None
+        if latest is not None:
+            return latest
+    raise UserError(f"{path}: no draft checkpoint there (expected draft_config.json, or checkpoints with best.json)")
+
+
 def load_draft(path: Path, embed_weight: torch.Tensor | None = None) -> Eagle3Draft:
     """Rebuild a draft from a checkpoint directory (safetensors only: nothing is unpickled)."""
     try:

@@ -17,14 +17,12 @@ import yaml
 from tqdm import tqdm
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from speculators_train.errors import UserError
-from speculators_train.export.speculators import is_speculators_eagle3, load_speculators_eagle3
+from speculators_train.export.drafts import check_fits, fill_embedding, load_any_draft
 from speculators_train.files import atomic_write_bytes
 from speculators_train.models.eagle3 import Eagle3Draft
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
 from speculators_train.target import Target, load_target
-from speculators_train.training import checkpoint as ckpt
 from speculators_train.verify.decoder import Generation, SpeculativeDecoder, decode_plain
 from speculators_train.verify.proposers import Eagle3Proposer, TreeSpec
 from speculators_train.verify.report import score, write_outputs
@@ -32,49 +30,19 @@ from speculators_train.verify.sampling import Sampling
 from speculators_train.verify.suites import Suite, load_suite
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint directory itself, or a checkpoints/ (or run) directory: its best, else its latest."""
-    if (path / "draft_config.json").is_file():
-        return path
-    for root in (path, path / "checkpoints", path / "train" / "checkpoints"):
-        pointer = ckpt.read_pointer(root / "best.json") if (root / "best.json").is_file() else None
-        if pointer is not None and (root / f"step-{int(pointer['step']):06d}").is_dir():
-            return root / f"step-{int(pointer['step']):06d}"
-        latest = ckpt.latest_checkpoint(root) if root.is_dir() else None
-        if latest is not None:
-            return latest
-    raise UserError(f"{path}: no draft checkpoint there (expected draft_config.json, or checkpoints with best.json)")
-
-
-def load_draft_for(target: Target, path: Path) -> Eagle3Draft:
-    """A draft of ours (checkpoint dir) or a speculators-format EAGLE-3 directory made elsewhere, on the target's
-    device and dtype, its embedding taken from the target, shapes checked."""
-    if is_speculators_eagle3(path):
-        draft, has_embedding = load_speculators_eagle3(path, target.num_layers)
-    else:
-        draft, has_embedding = ckpt.load_draft(resolve_checkpoint(path)), False  # ours never store it
+def load_draft_for(target: Target, path: Path) -> tuple[Eagle3Draft, Path]:
+    """A draft of ours or one in the speculators/SGLang layout made elsewhere, on the target's device and dtype,
+    its embedding taken from the target unless it ships one, shapes checked; and the directory actually read."""
+    draft, has_embedding, resolved = load_any_draft(path, target.num_layers)
     cfg = draft.config
-    mismatches = [
-        f"{name}: draft {mine}, target {theirs}"
-        for name, mine, theirs in (
-            ("hidden size", cfg.target_hidden_size, target.hidden_size),
-            ("vocab size", cfg.target_vocab_size, target.vocab_size),
-        )
-        if mine != theirs
-    ]
-    if max(cfg.aux_layer_ids) >= target.num_layers:
-        mismatches.append(f"aux layer ids {cfg.aux_layer_ids} need < {target.num_layers} target layers")
-    if mismatches:
-        raise UserError(f"{path}: draft does not fit the target ({'; '.join(mismatches)})")
+    check_fits(resolved, cfg, target.hidden_size, target.vocab_size, target.num_layers)
     target.aux_layer_ids = list(cfg.aux_layer_ids)  # capture what this draft was trained on
-    if not has_embedding:
-        with torch.no_grad():
-            draft.embed_tokens.weight.copy_(target.embed_tokens.weight)
+    fill_embedding(draft, has_embedding, target.embed_tokens.weight)
     device = next(target.model.parameters()).device
     draft = draft.to(device=device, dtype=target.dtype).eval()
     # `.to(dtype)` also rounds RoPE's inv_freq buffer; rebuild it in fp32 as training and engines keep it.
     draft.rotary_emb = LlamaRotaryEmbedding(cfg.llama).to(device)
-    return draft
+    return draft, resolved
 
 
 def eos_ids(target: Target) -> set[int]:
@@ -128,7 +96,7 @@ def shape_of(recipe: Recipe) -> tuple[str, int, TreeSpec | None]:
 
 def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tuple[Path, list[dict[str, Any]]]:
     target = load_target(recipe.target)
-    draft = load_draft_for(target, draft_path)
+    draft, checkpoint = load_draft_for(target, draft_path)
     ev = recipe.eval
     suites = [
         load_suite(recipe.resolve_path(s, "eval.suites"), recipe, target.tokenizer, ev.num_prompts) for s in ev.suites
@@ -154,6 +122,7 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
                 speculative = run_speculative(decoder, target, suite, max_new, recipe.seed, bar)
                 record = score(suite.config.name, shape, k, temperature, ev.top_p, speculative, baseline)
                 record["draft"] = str(draft_path)
+                record["checkpoint"] = str(checkpoint)
                 record["max_new_tokens"] = max_new
                 record["device"] = str(target.model.device)
                 records.append(record)
