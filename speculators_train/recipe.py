@@ -32,7 +32,7 @@ class Section(BaseModel):
     def source_path(self) -> Path | None:
         return self._source_path
 
-    def resolve_path(self, value: str, key: str) -> Path:
+    def resolve_path(self, value: str, key: str, directory: bool = False) -> Path:
         """A file named in this YAML: `pkg:PACKAGE/rel` (shipped in a Python package), absolute, or relative to
         this file's folder, then its parent (recipes/ and data/ sit side by side), then the working directory."""
         if value.startswith("pkg:"):
@@ -48,10 +48,11 @@ class Section(BaseModel):
                 candidates += [self.source_path.parent / path, self.source_path.parent.parent / path]
             candidates.append(path)
         for candidate in candidates:
-            if candidate.is_file():
+            if candidate.is_dir() if directory else candidate.is_file():
                 return candidate
         tried = ", ".join(str(c) for c in candidates)
-        raise UserError(f"{self.source_path}: {key}: file {value!r} not found (tried {tried})")
+        what = "directory" if directory else "file"
+        raise UserError(f"{self.source_path}: {key}: {what} {value!r} not found (tried {tried})")
 
 
 class TargetConfig(Section):
@@ -135,6 +136,9 @@ class TrainingConfig(Section):
     algorithm: Literal["eagle3"] = "eagle3"
     epochs: int = Field(1, gt=0)
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps (a budget).")
+    init_from: str | None = Field(
+        None, description="A draft to fine-tune: one of our checkpoints, or a speculators/SGLang EAGLE-3 directory."
+    )
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_ratio: float = Field(0.015, ge=0, lt=1, description="Share of steps spent in linear warmup.")

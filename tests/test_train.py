@@ -258,3 +258,34 @@ def test_empty_held_out_split_is_refused_before_training(tmp_path, states):
     manifest_path.write_text(_json.dumps(manifest))
     with pytest.raises(UserError, match="held-out split has no samples"):
         Trainer(recipe)
+
+
+def test_a_draft_exported_for_sglang_fine_tunes_from_its_own_weights_and_vocab(tmp_path, states, target):
+    from speculators_train.export.run import export
+    from speculators_train.training.checkpoint import draft_state_dict, load_draft, resolve_checkpoint
+
+    first = load_recipe(run_recipe(tmp_path / "a", states))
+    Trainer(first).train()
+    exported = export(first, None, "sglang", tmp_path / "sglang", "float32").path
+    original = draft_state_dict(load_draft(resolve_checkpoint(tmp_path / "a" / "run")))
+
+    training = {"init_from": str(exported), "learning_rate": 1e-4}
+    second = load_recipe(run_recipe(tmp_path / "b", states, training=training, eagle3={"draft_vocab_size": 512}))
+    trainer = Trainer(second)
+    start = draft_state_dict(trainer.draft)
+    assert start.keys() == original.keys()
+    for name, tensor in original.items():  # the imported weights and vocab, not a fresh 512-id draft
+        assert torch.equal(start[name], tensor), name
+    trainer.train()
+    tuned = load_draft(resolve_checkpoint(tmp_path / "b" / "run"))
+    assert tuned.config.draft_vocab_size == 1024 and torch.equal(tuned.d2t, original["d2t"])
+    assert not torch.equal(tuned.fc.weight, original["fc.weight"])
+
+    from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
+    from speculators_train.training.checkpoint import save_checkpoint
+
+    other = Eagle3Draft(Eagle3Config.for_target(target.config, [3, 15, 27], 64, False))
+    elsewhere = save_checkpoint(tmp_path / "other", 1, other, None, {}, 1)
+    recipe = load_recipe(run_recipe(tmp_path / "c", states, training={"init_from": str(elsewhere)}))
+    with pytest.raises(UserError, match=r"reads target layers \[3, 15, 27\], but the hidden states hold \[2, 15, 27\]"):
+        Trainer(recipe)

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from speculators_train.distributed import deepspeed_process_state
 from speculators_train.errors import UserError
+from speculators_train.export.drafts import check_fits, fill_embedding, load_any_draft
 from speculators_train.files import atomic_write_json
 from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
 from speculators_train.models.vocab import build_vocab_mapping, draft_to_target
@@ -68,12 +69,25 @@ def _accelerator(recipe: Recipe):
     return accelerator
 
 
-def build_objective(
+def initial_draft(
     recipe: Recipe, target_config, weights: dict[str, torch.Tensor], freq: torch.Tensor, aux_layer_ids: list[int]
-) -> Eagle3Objective:
-    """Draft (vocab from token counts; lm_head rows and norm start from the target's) + the frozen target head."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
+) -> Eagle3Draft:
+    """A fresh draft (vocab from token counts; lm_head rows and norm start from the target's), or the draft named
+    by `training.init_from` (ours, speculators or SGLang layout) to fine-tune, with its own vocab and settings."""
+    if recipe.training.init_from:
+        path = recipe.resolve_path(recipe.training.init_from, "training.init_from", directory=True)
+        draft, _, read = load_any_draft(path, target_config.num_hidden_layers)
+        check_fits(
+            read, draft.config, target_config.hidden_size, target_config.vocab_size, target_config.num_hidden_layers
+        )
+        if list(draft.config.aux_layer_ids) != list(aux_layer_ids):
+            raise UserError(
+                f"{read}: this draft reads target layers {draft.config.aux_layer_ids}, but the hidden states hold "
+                f"{list(aux_layer_ids)}; set target.aux_layer_ids: {draft.config.aux_layer_ids} and generate again"
+            )
+        fill_embedding(draft, False, weights["embed"])  # the target's, frozen, as serving engines use it
+        log.info("fine-tuning %s (draft vocab %d, from its own files)", read, draft.config.draft_vocab_size)
+        return draft
     d2t, t2d = build_vocab_mapping(freq, min(recipe.eagle3.draft_vocab_size, freq.numel()))
     config = Eagle3Config.for_target(target_config, aux_layer_ids, d2t.numel(), recipe.eagle3.norm_before_residual)
     draft = Eagle3Draft(config)
@@ -83,6 +97,16 @@ def build_objective(
         draft.t2d.copy_(t2d)
         draft.lm_head.weight.copy_(weights["lm_head"][draft_to_target(d2t)])
         draft.norm.weight.copy_(weights["norm"])
+    return draft
+
+
+def build_objective(
+    recipe: Recipe, target_config, weights: dict[str, torch.Tensor], freq: torch.Tensor, aux_layer_ids: list[int]
+) -> Eagle3Objective:
+    """The draft to train + the frozen target head its loss distils from."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    draft = initial_draft(recipe, target_config, weights, freq, aux_layer_ids)
     norm = LlamaRMSNorm(target_config.hidden_size, eps=target_config.rms_norm_eps)
     with torch.no_grad():
         norm.weight.copy_(weights["norm"])
@@ -104,6 +128,7 @@ def resume_identity(recipe: Recipe, data_fingerprint: str, world: int) -> dict[s
         "weight_decay": t.weight_decay,
         "length_bucketing": t.length_bucketing,
         "world_size": world,
+        "init_from": t.init_from,
         "deepspeed": t.deepspeed.model_dump() if t.deepspeed else None,
         "hidden_states": recipe.generation.hidden_states,
         "samples_per_shard": recipe.generation.samples_per_shard,
