@@ -32,6 +32,7 @@ demo: install
 	$(VENV)/bin/speculators-train validate $(RECIPE)
 	$(VENV)/bin/speculators-train train $(RECIPE)
 	$(VENV)/bin/speculators-train verify $(RECIPE) --set eval.num_prompts=4 --set eval.max_new_tokens=48
+	$(VENV)/bin/speculators-train export $(RECIPE) --force
 
 test: install
 	$(VENV)/bin/ruff check .

@@ -1,1 +1,1 @@
-"""Draft formats engines read: the speculators/vLLM layout (and, later, SGLang/EAGLE), written and read back."""
+"""Draft formats engines read (speculators/vLLM, SGLang/EAGLE): written by `export`, read back for verify/train."""

@@ -224,6 +224,9 @@ def export(
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp / "model.safetensors", 0o666 & ~umask)  # safetensors writes 0600; a server may run as another user
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(source, revision=recipe.target.revision).save_pretrained(tmp)
