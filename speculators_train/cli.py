@@ -99,14 +99,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _report_training(recipe: Recipe, trainer, metrics: dict[str, float]) -> None:
-    steps = recipe.eagle3.ttt_steps
+    medusa = recipe.training.algorithm == "medusa"
     table = Table(title=f"held-out metrics after step {trainer.state['step']} ({trainer.ckpt_dir})")
-    for column in ("ttt step", "loss", "full_acc", "cond_acc"):
+    names = ("loss", "full_acc", "cond_acc", *(("top1_acc", "top5_acc") if medusa else ()))
+    for column in ("head" if medusa else "ttt step", *names):
         table.add_column(column, justify="right")
-    for i in range(steps):
-        table.add_row(
-            str(i), f"{metrics[f'loss_{i}']:.3f}", f"{metrics[f'full_acc_{i}']:.3f}", f"{metrics[f'cond_acc_{i}']:.3f}"
-        )
+    for i in range(trainer.steps):
+        table.add_row(str(i), *(f"{metrics[f'{name}_{i}']:.3f}" for name in names))
     console.print(table)
     key = next(k for k in metrics if k.startswith("predicted_al_"))
     console.print(f"predicted acceptance length at {key.rsplit('_', 1)[1]} draft tokens: {metrics[key]:.2f}")

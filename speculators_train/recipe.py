@@ -133,7 +133,7 @@ class DeepSpeedConfig(Section):
 
 
 class TrainingConfig(Section):
-    algorithm: Literal["eagle3"] = "eagle3"
+    algorithm: Literal["eagle3", "medusa"] = Field("eagle3", description="Which draft to train (its own section).")
     epochs: int = Field(1, gt=0)
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps (a budget).")
     init_from: str | None = Field(
@@ -161,6 +161,14 @@ class Eagle3Section(Section):
     ttt_steps: int = Field(7, gt=0, description="Training-time test unroll depth.")
     step_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of step i is step_decay**i.")
     norm_before_residual: bool = Field(False, description="SGLang only runs false.")
+
+
+class MedusaSection(Section):
+    num_heads: int = Field(4, gt=0, description="Head h predicts token t+2+h.")
+    num_layers: int = Field(1, gt=0, description="Residual blocks x + SiLU(Wx + b) per head.")
+    loss: Literal["soft", "hard"] = Field("soft", description="soft: distil the target's distribution; hard: labels.")
+    head_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of head h is head_decay**h.")
+    draft_vocab_size: int = Field(8192, gt=0, description="Reduced vocab from the generator's token counts.")
 
 
 class ExportConfig(Section):
@@ -206,6 +214,7 @@ class Recipe(Section):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     eagle3: Eagle3Section = Field(default_factory=Eagle3Section)
+    medusa: MedusaSection = Field(default_factory=MedusaSection)
     export: ExportConfig = Field(default_factory=ExportConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 

@@ -289,3 +289,31 @@ def test_a_draft_exported_for_sglang_fine_tunes_from_its_own_weights_and_vocab(t
     recipe = load_recipe(run_recipe(tmp_path / "c", states, training={"init_from": str(elsewhere)}))
     with pytest.raises(UserError, match=r"reads target layers \[3, 15, 27\], but the hidden states hold \[2, 15, 27\]"):
         Trainer(recipe)
+
+
+def test_medusa_heads_learn_tokens_two_ahead_on_real_states_and_reload_in_vllm_names(tmp_path, states):
+    from speculators_train.models.medusa import MedusaDraft
+    from speculators_train.training.checkpoint import load_draft, resolve_checkpoint
+
+    medusa = {"num_heads": 3, "draft_vocab_size": 1024}
+    recipe = load_recipe(run_recipe(tmp_path, states, training={"algorithm": "medusa", "epochs": 8}, medusa=medusa))
+    trainer = Trainer(recipe)
+    before = trainer.validate()
+    after = trainer.train()
+    # At the start every head is the target's own lm_head, which names token t+1, not t+2+h.
+    assert after["top1_acc_0"] > before["top1_acc_0"] + 0.05
+    assert after["top5_acc_0"] >= after["top1_acc_0"] and 0 <= after["full_acc_2"] <= after["full_acc_0"]
+    assert after["predicted_al_3"] == pytest.approx(1 + sum(after[f"full_acc_{h}"] for h in range(3)))
+    path = resolve_checkpoint(tmp_path / "run")
+    names = set(load_file(path / "model.safetensors"))
+    assert {"blocks.2.layers.0.weight", "blocks.2.layers.0.bias", "lm_heads.2.weight", "d2t", "t2d"} == names - {
+        f"{kind}.{h}.{rest}"
+        for kind, rest in (("blocks", "layers.0.weight"), ("blocks", "layers.0.bias"), ("lm_heads", "weight"))
+        for h in (0, 1)
+    }
+    heads = load_draft(path)
+    assert isinstance(heads, MedusaDraft) and heads.config.num_heads == 3
+    with pytest.raises(UserError, match="a Medusa checkpoint; verify, export and init_from read EAGLE-3"):
+        from speculators_train.export.drafts import load_any_draft
+
+        load_any_draft(path, 30)

@@ -30,7 +30,12 @@ def load_any_draft(path: Path, target_num_layers: int) -> tuple[Eagle3Draft, boo
         draft, has_embedding = sglang.load_sglang_eagle3(path, target_num_layers)
         return draft, has_embedding, path
     resolved = ckpt.resolve_checkpoint(path)
-    return ckpt.load_draft(resolved), False, resolved  # ours never store the target's embedding
+    draft = ckpt.load_draft(resolved)
+    if not isinstance(draft, Eagle3Draft):
+        raise UserError(
+            f"{resolved}: a Medusa checkpoint; verify, export and init_from read EAGLE-3 drafts only so far"
+        )
+    return draft, False, resolved  # ours never store the target's embedding
 
 
 def fit_problems(config: Eagle3Config, hidden_size: int, vocab_size: int, num_layers: int) -> list[str]:

@@ -20,19 +20,20 @@ from safetensors.torch import load_file, save_file
 from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_json, read_json
 from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
+from speculators_train.models.medusa import MedusaConfig, MedusaDraft
 
 # The target's embedding is frozen and large; it is restored from the target, not stored per checkpoint.
 NOT_SAVED = ("embed_tokens.weight",)
 
 
-def draft_state_dict(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
+def draft_state_dict(draft: Eagle3Draft | MedusaDraft) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items() if k not in NOT_SAVED}
 
 
 def save_checkpoint(
     root: Path,
     step: int,
-    draft: Eagle3Draft,
+    draft: Eagle3Draft | MedusaDraft,
     optimizer_state: dict[str, Any] | None,
     state: dict[str, Any],
     keep_last: int,
@@ -100,19 +101,22 @@ def resolve_checkpoint(path: Path) -> Path:
     raise UserError(f"{path}: no draft checkpoint there (expected draft_config.json, or checkpoints with best.json)")
 
 
-def load_draft(path: Path, embed_weight: torch.Tensor | None = None) -> Eagle3Draft:
-    """Rebuild a draft from a checkpoint directory (safetensors only: nothing is unpickled)."""
+def load_draft(path: Path, embed_weight: torch.Tensor | None = None) -> Eagle3Draft | MedusaDraft:
+    """Rebuild a draft (EAGLE-3, or Medusa heads) from a checkpoint directory (safetensors only: nothing is
+    unpickled)."""
+    saved = read_json(path / "draft_config.json", "draft config")
+    medusa = isinstance(saved, dict) and saved.get("architecture") == "medusa"
     try:
-        config = Eagle3Config(**read_json(path / "draft_config.json", "draft config"))
+        config = MedusaConfig(**saved) if medusa else Eagle3Config(**saved)
     except TypeError as exc:
-        raise UserError(f"{path / 'draft_config.json'}: not an EAGLE-3 draft config ({exc})") from None
+        raise UserError(f"{path / 'draft_config.json'}: not a draft config of this toolkit ({exc})") from None
     weights = load_draft_weights(path)
-    draft = Eagle3Draft(config)
+    draft = MedusaDraft(config) if medusa else Eagle3Draft(config)
     missing, unexpected = draft.load_state_dict(weights, strict=False)
     missing = [k for k in missing if k not in NOT_SAVED]
     if missing or unexpected:
         raise UserError(f"{path}: weights do not fit the draft (missing {missing}, unexpected {unexpected})")
-    if embed_weight is not None:
+    if embed_weight is not None and isinstance(draft, Eagle3Draft):
         with torch.no_grad():
             draft.embed_tokens.weight.copy_(embed_weight)
     return draft

@@ -22,6 +22,7 @@ from speculators_train.errors import UserError
 from speculators_train.export.drafts import check_fits, fill_embedding, load_any_draft
 from speculators_train.files import atomic_write_json
 from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
+from speculators_train.models.medusa import MedusaDraft
 from speculators_train.models.vocab import build_vocab_mapping, draft_to_target
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
@@ -29,6 +30,7 @@ from speculators_train.target import load_head_weights, load_target
 from speculators_train.training import checkpoint as ckpt
 from speculators_train.training import zero
 from speculators_train.training.data import collate
+from speculators_train.training.medusa import MedusaObjective
 from speculators_train.training.sources import OfflineSource, OnlineSource
 from speculators_train.training.ttt import Eagle3Objective, TargetHead, summarize
 
@@ -102,24 +104,31 @@ def initial_draft(
 
 def build_objective(
     recipe: Recipe, target_config, weights: dict[str, torch.Tensor], freq: torch.Tensor, aux_layer_ids: list[int]
-) -> Eagle3Objective:
+) -> Eagle3Objective | MedusaObjective:
     """The draft to train + the frozen target head its loss distils from."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    draft = initial_draft(recipe, target_config, weights, freq, aux_layer_ids)
     norm = LlamaRMSNorm(target_config.hidden_size, eps=target_config.rms_norm_eps)
     with torch.no_grad():
         norm.weight.copy_(weights["norm"])
+    head = TargetHead(norm, weights["lm_head"])
+    if recipe.training.algorithm == "medusa":
+        m = recipe.medusa
+        if recipe.training.init_from:
+            raise UserError(f"{recipe.source_path}: training.init_from is for EAGLE-3 drafts; Medusa starts fresh")
+        d2t, t2d = build_vocab_mapping(freq, min(m.draft_vocab_size, freq.numel()))
+        rows = weights["lm_head"][draft_to_target(d2t)]
+        heads = MedusaDraft.for_target(target_config, rows, d2t, t2d, m.num_heads, m.num_layers)
+        return MedusaObjective(heads, head, m.head_decay, m.loss == "hard")
+    draft = initial_draft(recipe, target_config, weights, freq, aux_layer_ids)
     draft.gradient_checkpointing = recipe.training.gradient_checkpointing
-    return Eagle3Objective(
-        draft, TargetHead(norm, weights["lm_head"]), recipe.eagle3.ttt_steps, recipe.eagle3.step_decay
-    )
+    return Eagle3Objective(draft, head, recipe.eagle3.ttt_steps, recipe.eagle3.step_decay)
 
 
 def resume_identity(recipe: Recipe, data_fingerprint: str, world: int) -> dict[str, Any]:
     """Settings a resumed run must share with the interrupted one (budgets like epochs may change)."""
     t = recipe.training
-    return {
+    identity = {
         "seed": recipe.seed,
         "eagle3": recipe.eagle3.model_dump(),
         "learning_rate": t.learning_rate,
@@ -128,13 +137,18 @@ def resume_identity(recipe: Recipe, data_fingerprint: str, world: int) -> dict[s
         "weight_decay": t.weight_decay,
         "length_bucketing": t.length_bucketing,
         "world_size": world,
-        "init_from": t.init_from,
         "deepspeed": t.deepspeed.model_dump() if t.deepspeed else None,
         "hidden_states": recipe.generation.hidden_states,
         "samples_per_shard": recipe.generation.samples_per_shard,
         "data": recipe.data.model_dump(exclude={"mix"}),
         "data_fingerprint": data_fingerprint,
     }
+    # Keys added after runs already existed appear only when set, so those runs still resume.
+    if t.algorithm != "eagle3":
+        identity.update(algorithm=t.algorithm, medusa=recipe.medusa.model_dump())
+    if t.init_from:
+        identity["init_from"] = t.init_from
+    return identity
 
 
 class Trainer:
@@ -158,6 +172,7 @@ class Trainer:
             )
         self.identity = resume_identity(recipe, self.source.data_fingerprint, world)
         objective = build_objective(recipe, target_config, weights, self.source.token_freq, self.source.aux_layer_ids)
+        self.steps, self.metric_names = objective.steps, objective.metric_names
         params = objective.draft.trainable_parameters()
         optimizer = torch.optim.AdamW(
             params, lr=self.cfg.learning_rate, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.95)
@@ -188,7 +203,7 @@ class Trainer:
         return int(tensor)
 
     @property
-    def draft(self) -> Eagle3Draft:
+    def draft(self) -> Eagle3Draft | MedusaDraft:
         return self.acc.unwrap_model(self.model).draft
 
     def _resume(self) -> None:
@@ -259,9 +274,9 @@ class Trainer:
         """Held-out metrics summed over this rank's samples, then over ranks (every rank reduces, even with none)."""
         self.model.eval()
         held_out = self.source.held_out  # this rank's share
-        steps = self.recipe.eagle3.ttt_steps
+        steps = self.steps
         zero = torch.zeros((), device=self.acc.device)
-        sums = {f"{name}_{i}": zero for name in ("loss", "n", "full", "chains", "cond_n") for i in range(steps)}
+        sums = {f"{name}_{i}": zero for name in self.metric_names for i in range(steps)}
         for k in range(0, len(held_out), self.cfg.batch_size):
             batch = collate([held_out[i] for i in range(k, min(k + self.cfg.batch_size, len(held_out)))])
             _, metrics = self.model(self._to_device(batch))
@@ -277,7 +292,7 @@ class Trainer:
         """Validate on the held-out split; a better predicted acceptance length is checkpointed as the best.
         Returns the metrics and whether this step was just saved."""
         metrics = self.validate()
-        key = f"predicted_al_{min(self.recipe.eval.num_speculative_tokens, self.recipe.eagle3.ttt_steps)}"
+        key = f"predicted_al_{min(self.recipe.eval.num_speculative_tokens, self.steps)}"
         self._log({"step": self.state["step"], **{f"val/{k}": v for k, v in metrics.items()}})
         best = self.state["best"]
         if best is None or metrics[key] > best["value"]:
@@ -335,7 +350,7 @@ class Trainer:
                     "tokens_per_s": rate,
                 }
                 if state["step"] % cfg.log_every_steps == 0 or state["step"] == self.total_steps:
-                    summary = summarize(self._sum(sums), self.recipe.eagle3.ttt_steps)
+                    summary = summarize(self._sum(sums), self.steps)
                     record.update({f"train/{k}": v for k, v in summary.items() if "acc" in k or k == "vocab_coverage"})
                     sums = {}
                 self._log(record)

@@ -80,7 +80,7 @@ def ttt_loss(
     logits = draft.ttt_forward(a.tokens, a.aux.to(draft.fc.weight.dtype), a.positions, steps)
     length = a.tokens.shape[1]
     counts = torch.stack([a.valid[:, i:].sum() for i in range(steps)])
-    denominators = _global_counts(counts) if across_ranks else counts.clamp(min=1)
+    denominators = global_counts(counts) if across_ranks else counts.clamp(min=1)
     total = torch.zeros((), device=a.tokens.device)
     metrics: dict[str, torch.Tensor] = {}
     chain_ok = torch.ones_like(a.valid)  # chain j right (and trained) at every step so far
@@ -104,7 +104,7 @@ def ttt_loss(
     return total, metrics
 
 
-def _global_counts(counts: torch.Tensor) -> torch.Tensor:
+def global_counts(counts: torch.Tensor) -> torch.Tensor:
     """Per-step token counts over all ranks, divided by the world size: DDP averages gradients over ranks,
     so a rank's loss sum / this equals the single-process mean over the whole global batch."""
     import torch.distributed as dist
@@ -129,6 +129,9 @@ def summarize(sums: dict[str, float], steps: int, k: int | None = None) -> dict[
         out[f"loss_{i}"] = sums[f"loss_{i}"] / n
         out[f"full_acc_{i}"] = sums[f"full_{i}"] / max(sums[f"chains_{i}"], 1.0)
         out[f"cond_acc_{i}"] = sums[f"full_{i}"] / max(sums[f"cond_n_{i}"], 1.0)
+        if f"top1_{i}" in sums:  # Medusa: each head alone
+            out[f"top1_acc_{i}"] = sums[f"top1_{i}"] / max(sums[f"tokens_{i}"], 1.0)
+            out[f"top5_acc_{i}"] = sums[f"top5_{i}"] / max(sums[f"tokens_{i}"], 1.0)
     # Share of trained tokens the draft vocab can express at all: a ceiling on full_acc_0.
     out["vocab_coverage"] = sums["n_0"] / max(sums["chains_0"], 1.0)
     k = steps if k is None else min(k, steps)
@@ -147,6 +150,7 @@ class Eagle3Objective(nn.Module):
         self.head = head
         self.steps = steps
         self.decay = decay
+        self.metric_names = ("loss", "n", "full", "chains", "cond_n")
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return ttt_loss(self.draft, batch, self.head, self.steps, self.decay, across_ranks=self.training)

@@ -1,0 +1,100 @@
+"""Medusa heads (Medusa-1: the target stays frozen; SPEC section 5).
+
+    z      = norm(h_N)                  the target's last post-norm hidden state at position t [.., H]
+    head h = lm_head_h(block_L(...block_1(z)))      block(x) = x + SiLU(W x + b)
+             head h predicts token t+2+h (the target's own lm_head gives t+1)
+
+Blocks start at zero, so every head starts as the target's lm_head restricted to the draft vocabulary (the same
+reduced vocabulary and d2t/t2d maps as EAGLE-3). Weight names follow vLLM's Medusa layout:
+`blocks.{h}.layers.{l}.weight/.bias`, `lm_heads.{h}.weight`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class MedusaConfig:
+    """Everything needed to rebuild the heads; saved as JSON beside their weights."""
+
+    hidden_size: int
+    num_heads: int
+    num_layers: int
+    draft_vocab_size: int
+    target_vocab_size: int
+    target_num_layers: int = 0
+    architecture: str = field(default="medusa")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ResBlock(nn.Linear):
+    """x + SiLU(W x + b); a Linear itself, so its weights are named `layers.{l}.weight/.bias` as vLLM reads them."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__(hidden_size, hidden_size)
+        nn.init.zeros_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(super().forward(x))
+
+
+class MedusaBlocks(nn.Module):
+    """The residual blocks of one head (a container so names read `blocks.{h}.layers.{l}`)."""
+
+    def __init__(self, hidden_size: int, num_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([ResBlock(hidden_size) for _ in range(num_layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class MedusaDraft(nn.Module):
+    def __init__(self, config: MedusaConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.blocks = nn.ModuleList([MedusaBlocks(h, config.num_layers) for _ in range(config.num_heads)])
+        self.lm_heads = nn.ModuleList([nn.Linear(h, config.draft_vocab_size, bias=False) for _ in self.blocks])
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(config.target_vocab_size, dtype=torch.bool))
+        self.gradient_checkpointing = False
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Post-norm target states [.., H] -> draft-vocab logits of every head [num_heads, .., draft_vocab]."""
+        return torch.stack([head(block(hidden)) for block, head in zip(self.blocks, self.lm_heads, strict=True)])
+
+    @classmethod
+    def for_target(
+        cls, target_config, lm_head_rows: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, heads: int, layers: int
+    ) -> MedusaDraft:
+        """Heads shaped for the target, each lm_head starting from the target's rows of the draft vocabulary."""
+        config = MedusaConfig(
+            hidden_size=target_config.hidden_size,
+            num_heads=heads,
+            num_layers=layers,
+            draft_vocab_size=d2t.numel(),
+            target_vocab_size=target_config.vocab_size,
+            target_num_layers=target_config.num_hidden_layers,
+        )
+        draft = cls(config)
+        with torch.no_grad():
+            for head in draft.lm_heads:
+                head.weight.copy_(lm_head_rows)
+            draft.d2t.copy_(d2t)
+            draft.t2d.copy_(t2d)
+        return draft
