@@ -38,7 +38,8 @@ def medusa_loss(
         final = final.to(head.lm_head.weight.dtype)
         target_logits = head(final).float()  # [B, T, V_target]
         greedy = target_logits.argmax(-1)
-        greedy_draft = torch.cumsum(draft.t2d.to(torch.int64), 0)[greedy] - 1  # its draft id, where it has one
+        draft_index = torch.cumsum(draft.t2d.to(torch.int64), 0) - 1  # target id -> draft id, where it has one
+        greedy_draft = draft_index[greedy]
         in_vocab = draft.t2d[greedy]
         probs = torch.softmax(target_logits[..., draft_to_target(draft.d2t)], dim=-1)
         hidden = head.norm(final)
@@ -62,8 +63,7 @@ def medusa_loss(
         n = length - 1 - h
         lg = logits[h][:, :n].float()
         if hard:
-            target_index = torch.cumsum(draft.t2d.to(torch.int64), 0)[labels[h]] - 1
-            ce = F.cross_entropy(lg.transpose(1, 2), target_index.clamp(min=0), reduction="none")
+            ce = F.cross_entropy(lg.transpose(1, 2), draft_index[labels[h]].clamp(min=0), reduction="none")
         else:
             ce = -(probs[:, 1 + h : length] * torch.log_softmax(lg, dim=-1)).sum(-1)
         total = total + decay**h * (ce * valid[h]).sum() / denominators[h]
