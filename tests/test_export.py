@@ -22,14 +22,10 @@ from speculators_train.verify.run import eos_ids, load_draft_for
 from speculators_train.verify.sampling import Sampling
 
 from .conftest import SHAREGPT, make_recipe
+from .test_verify import chat
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["Explain what a hash table is in two sentences.", "Write a Python function that reverses a string."]
-
-
-def chat(target, text: str) -> list[int]:
-    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 @pytest.fixture(scope="module")
