@@ -2,9 +2,11 @@
 
     .venv/bin/python eval/bench_verify.py                                   # recipes/eagle3.yaml, its best draft
     .venv/bin/python eval/bench_verify.py --ks 3,5,7 --temperatures 0,1 --prompts 12 --max-new-tokens 96
+    .venv/bin/python eval/bench_verify.py --recipe recipes/medusa.yaml --ks 3,4     # Medusa: chain, both trees
 
 On one suite (default: the recipe's first), decodes the same prompts target-only once per temperature (the
-baseline), then speculatively with each chain K and with the recipe's tree, and finally with an oracle draft (the
+baseline), then speculatively with each chain K (at most one per Medusa head) and with the recipe's tree (for
+Medusa both the dynamic tree and the one measured from per-head accuracies), and finally with an oracle draft (the
 target's own greedy tokens: acceptance length K+1), which shows the ceiling this machine allows. Every run is
 preceded by an untimed warm-up. Prints one JSON line per setting and a table with where the time goes.
 """
@@ -21,12 +23,21 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from speculators_train.models.medusa import MedusaDraft
 from speculators_train.recipe import load_recipe
 from speculators_train.target import load_target
 from speculators_train.verify.decoder import SpeculativeDecoder
-from speculators_train.verify.proposers import Eagle3Proposer, OracleProposer, TreeSpec
+from speculators_train.verify.proposers import OracleProposer, TreeSpec
 from speculators_train.verify.report import score
-from speculators_train.verify.run import eos_ids, load_draft_for, run_baseline, run_speculative, warm_up
+from speculators_train.verify.run import (
+    eos_ids,
+    load_draft_for,
+    proposer_for,
+    run_baseline,
+    run_speculative,
+    shape_of,
+    warm_up,
+)
 from speculators_train.verify.sampling import Sampling
 from speculators_train.verify.suites import load_suite
 
@@ -47,23 +58,26 @@ def main() -> None:
     recipe = load_recipe(args.recipe, {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in args.set)})
     target = load_target(recipe.target)
     draft_path = Path(args.draft) if args.draft else recipe.run_dir / "train" / "checkpoints"
-    draft, _ = load_draft_for(target, draft_path)
+    draft, resolved = load_draft_for(target, draft_path)
     suite_path = recipe.resolve_path(recipe.eval.suites[0], "eval.suites")
     suite = load_suite(suite_path, recipe, target.tokenizer, args.prompts)
-    t = recipe.eval.tree
-    shapes: list[tuple[str, int, TreeSpec | None]] = [(f"chain(K={k})", k, None) for k in map(int, args.ks.split(","))]
+    heads = draft.config.num_heads if isinstance(draft, MedusaDraft) else None
+    ks = sorted({min(int(k), heads or int(k)) for k in args.ks.split(",")})
+    shapes: list[tuple[str, int, TreeSpec | None]] = [(f"chain(K={k})", k, None) for k in ks]
     if not args.no_tree:
-        tree = TreeSpec(t.top_k, t.depth, t.budget)
-        shapes.append((tree.describe(), tree.depth, tree))
+        for tree_shape in ("dynamic", "measured") if heads else ("dynamic",):
+            settings = recipe.model_copy(deep=True)
+            settings.eval.mode, settings.eval.tree.shape = "tree", tree_shape
+            shapes.append(shape_of(settings, draft, resolved))
     records = []
     for temperature in map(float, args.temperatures.split(",")):
         sampling = Sampling(temperature, recipe.eval.top_p)
         runs = len(shapes) + 1 + (temperature == 0)
         with tqdm(total=runs * len(suite.prompts), unit="prompt", desc=f"T={temperature:g}") as bar:
-            warm_up(target, SpeculativeDecoder(target, Eagle3Proposer(draft), sampling, 5), suite)
+            warm_up(target, SpeculativeDecoder(target, proposer_for(draft, target), sampling, ks[-1]), suite)
             baseline = run_baseline(target, suite, args.max_new_tokens, sampling, recipe.seed, bar)
             for shape, k, tree in shapes:
-                decoder = SpeculativeDecoder(target, Eagle3Proposer(draft), sampling, k, tree)
+                decoder = SpeculativeDecoder(target, proposer_for(draft, target), sampling, k, tree)
                 spec = run_speculative(decoder, target, suite, args.max_new_tokens, recipe.seed, bar)
                 records.append(score(suite.config.name, shape, k, temperature, recipe.eval.top_p, spec, baseline))
             if temperature == 0:  # the ceiling: a draft that is always right

@@ -183,6 +183,11 @@ class TreeConfig(Section):
     top_k: int = Field(4, gt=0, description="Children per expanded node, and nodes expanded per depth.")
     depth: int = Field(5, gt=0, description="Draft steps per verify step.")
     budget: int = Field(24, gt=0, description="Draft nodes verified per step (the most probable).")
+    shape: Literal["dynamic", "measured"] = Field(
+        "dynamic",
+        description="dynamic: each step keeps the `budget` most probable paths (any draft); measured (Medusa "
+        "only): one fixed tree built from the checkpoint's held-out per-head rank accuracies, as Medusa does.",
+    )
 
 
 class EvalConfig(Section):

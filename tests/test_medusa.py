@@ -1,12 +1,15 @@
-"""Medusa-1 loss alignment on small synthetic tensors: head h at position t must be scored against the target's
-choice for token t+2+h (its distribution at t+1+h), with the mask of that token."""
+"""Medusa on small synthetic tensors: the loss alignment (head h at position t is scored against the target's
+choice for token t+2+h, its distribution at t+1+h, with the mask of that token), the per-rank accuracies, and the
+candidate trees built from them."""
 
+import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from speculators_train.models.medusa import MedusaConfig, MedusaDraft
 from speculators_train.training.medusa import medusa_loss
 from speculators_train.training.ttt import TargetHead, summarize
+from speculators_train.verify.proposers import best_paths, measured_tree, tree_from_paths
 
 V, H, T, HEADS = 16, 8, 12, 3
 
@@ -76,3 +79,38 @@ def test_the_mask_is_that_of_the_predicted_token_and_hard_labels_are_the_tokens_
     by_label_early = oracle(lambda h, t: int(labels[t + 1 + h]) if t + 1 + h < T else None)
     hard_wrong, _ = medusa_loss(Scripted(by_label_early), batch, head, 0.8, hard=True)
     assert hard_right < 1e-3 < hard_wrong
+
+
+def test_rank_counts_place_each_heads_hit_at_the_rank_it_gave_the_target_token():
+    head, batch, greedy = setup()
+    logits = oracle(lambda h, t: int(greedy[t + 1 + h]) if t + 1 + h < T else None)
+    decoy = min(set(range(V)) - set(greedy.tolist()))  # a token the target never picks here
+    logits[:, :, 0::2, decoy] += 30.0  # at even positions a wrong token outranks the right one
+    _, sums = medusa_loss(Scripted(logits), batch, head, 0.8, hard=False)
+    out = summarize({k: float(v) for k, v in sums.items()}, HEADS)
+    for h in range(HEADS):
+        scored = T - 2 - h  # positions t with a token t+2+h
+        even = (scored + 1) // 2
+        assert out[f"rank1_acc_{h}"] == pytest.approx(even / scored)
+        assert out[f"rank0_acc_{h}"] == pytest.approx(1 - even / scored) == out[f"top1_acc_{h}"]
+        assert sum(out[f"rank{r}_acc_{h}"] for r in range(5)) == pytest.approx(out[f"top5_acc_{h}"]) == 1.0
+
+
+def test_best_paths_take_the_highest_sums_parents_first_within_the_budget():
+    scores = [[-0.1, -1.0, -3.0], [-0.2, -2.0], [-0.3]]
+    paths = best_paths(scores, 5)
+    assert paths == [(0,), (0, 0), (0, 0, 0), (1,), (1, 0)]
+    for i, path in enumerate(paths):
+        assert len(path) == 1 or path[:-1] in paths[:i]
+    every = best_paths(scores, 100)
+    assert len(every) == 3 + 3 * 2 + 3 * 2 * 1  # all paths of the 3 x 2 x 1 candidate grid
+
+
+def test_measured_tree_grows_where_heads_are_accurate_and_keeps_real_ranks():
+    # Head 0 is right 60% at rank 0, 20% at rank 1; head 1's rank 1 beats its rank 0 (kept as rank 1, not 0).
+    accuracy = [[0.6, 0.2, 0.05], [0.1, 0.3], [0.5]]
+    paths = measured_tree(accuracy, 4)
+    # products: (0,)=.6  (0,1)=.18  (1,)=.2  (0,1,0)=.09  (0,0)=.06  (1,1)=.06 ...
+    assert paths == ((0,), (1,), (0, 1), (0, 1, 0))
+    tree = tree_from_paths(list(paths), [[10, 11, 12], [20, 21], [30]])
+    assert tree.tokens == [10, 11, 21, 30] and tree.parents == [-1, -1, 0, 2] and tree.depths == [1, 1, 2, 3]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -291,7 +292,7 @@ def test_a_draft_exported_for_sglang_fine_tunes_from_its_own_weights_and_vocab(t
         Trainer(recipe)
 
 
-def test_medusa_heads_learn_tokens_two_ahead_on_real_states_and_reload_in_vllm_names(tmp_path, states):
+def test_medusa_heads_learn_tokens_two_ahead_on_real_states_and_verify_with_their_measured_tree(tmp_path, states):
     from speculators_train.models.medusa import MedusaDraft
     from speculators_train.training.checkpoint import load_draft, resolve_checkpoint
 
@@ -313,7 +314,19 @@ def test_medusa_heads_learn_tokens_two_ahead_on_real_states_and_reload_in_vllm_n
     }
     heads = load_draft(path)
     assert isinstance(heads, MedusaDraft) and heads.config.num_heads == 3
-    with pytest.raises(UserError, match="a Medusa checkpoint; verify, export and init_from read EAGLE-3"):
-        from speculators_train.export.drafts import load_any_draft
+    held_out = json.loads((path / "trainer_state.json").read_text())["held_out"]
+    assert held_out["rank0_acc_0"] == pytest.approx(after["top1_acc_0"])
 
-        load_any_draft(path, 30)
+    # The measured tree is built from those accuracies, and decoding with it is the target's own greedy output.
+    from speculators_train.verify.run import verify
+
+    recipe.eval.mode, recipe.eval.tree.shape, recipe.eval.num_prompts, recipe.eval.max_new_tokens = (
+        "tree",
+        "measured",
+        2,
+        12,
+    )
+    recipe.eval.tree.budget = 6
+    _, records = verify(recipe, tmp_path / "run", tmp_path / "verify")
+    assert re.fullmatch(r"tree\(measured, depth=[1-3], budget=6\)", records[0]["shape"])
+    assert records[0]["greedy_identical_outputs"] == "2/2"

@@ -138,6 +138,8 @@ class TargetSampler:
     """Proposes tokens sampled from the target's own distribution at temperature 1.6 (flatter than the T=1 it is
     verified at): drafts are accepted often but not always, so every branch of the rule runs."""
 
+    state = "aux"
+
     def __init__(self, target, prompt):
         self.target, self.seq = target, list(prompt[:1])
 

@@ -21,16 +21,18 @@ from safetensors.torch import save_file
 
 from speculators_train import __version__
 from speculators_train.errors import UserError
-from speculators_train.export import sglang, speculators
+from speculators_train.export import medusa, sglang, speculators
 from speculators_train.export.drafts import check_fits, fill_embedding, load_any_draft
 from speculators_train.files import read_json
 from speculators_train.hidden_states.shards import MANIFEST
 from speculators_train.models.eagle3 import Eagle3Draft
+from speculators_train.models.medusa import MedusaDraft
 from speculators_train.recipe import Recipe
 from speculators_train.target import load_head_weights, resolve_source
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ENGINES = {"speculators": "vLLM (`vllm serve`) and the `speculators` library", "sglang": "SGLang (EAGLE3)"}
+MEDUSA_ENGINES = "vLLM releases with the `medusa` method (`MedusaModel`), and speculators-style readers"
 
 
 @dataclass
@@ -56,8 +58,12 @@ def export_weights(draft: Eagle3Draft, dtype: torch.dtype, rename=lambda name: n
     return out
 
 
-def serve_commands(fmt: str, out: Path, verifier: str, recipe: Recipe) -> list[str]:
+def serve_commands(fmt: str, out: Path, verifier: str, recipe: Recipe, heads: int | None = None) -> list[str]:
+    """The engine command lines; `heads` is set for Medusa, which vLLM takes only through --speculative-config."""
     ev = recipe.eval
+    if heads is not None:
+        spec = {"model": str(out), "method": "medusa", "num_speculative_tokens": min(ev.num_speculative_tokens, heads)}
+        return [f"vllm serve {verifier} --speculative-config '{json.dumps(spec)}'"]
     if fmt == "speculators":
         spec = {"model": str(out), "method": "eagle3", "num_speculative_tokens": ev.num_speculative_tokens}
         return [
@@ -88,31 +94,48 @@ def latest_verify_report(recipe: Recipe, checkpoint: Path) -> tuple[Path, list[d
     return None
 
 
+def _settings(draft: Eagle3Draft | MedusaDraft, fmt: str, recipe: Recipe) -> list[tuple[str, str]]:
+    """The card's architecture rows."""
+    cfg = draft.config
+    if isinstance(draft, MedusaDraft):
+        return [
+            ("target states read", "the last decoder layer's output after the final norm"),
+            ("heads", f"{cfg.num_heads} (head h proposes the token h+2 after the last verified one)"),
+            ("residual blocks per head", str(cfg.num_layers)),
+            ("draft vocabulary", f"{cfg.draft_vocab_size} of {cfg.target_vocab_size} target ids (`token_map`)"),
+            ("speculative tokens", str(min(recipe.eval.num_speculative_tokens, cfg.num_heads))),
+        ]
+    ids = f"{cfg.aux_layer_ids} (the residual stream entering layer k, as vLLM counts)"
+    if fmt == "sglang":
+        ids += f"; written as {[i - 1 for i in cfg.aux_layer_ids]} in `eagle_config`, as SGLang counts"
+    return [
+        ("target states read", ids),
+        ("draft vocabulary", f"{cfg.draft_vocab_size} of {cfg.target_vocab_size} target ids"),
+        ("speculative tokens", str(recipe.eval.num_speculative_tokens)),
+        ("norm_before_residual", str(cfg.norm_before_residual).lower()),
+    ]
+
+
 def model_card(
     recipe: Recipe,
-    draft: Eagle3Draft,
+    draft: Eagle3Draft | MedusaDraft,
     fmt: str,
     dtype: str,
     verifier: str,
     checkpoint: Path,
     commands: list[str],
 ) -> str:
-    cfg = draft.config
-    ids = f"{cfg.aux_layer_ids} (the residual stream entering layer k, as vLLM counts)"
-    if fmt == "sglang":
-        ids += f"; written as {[i - 1 for i in cfg.aux_layer_ids]} in `eagle_config`, as SGLang counts"
+    is_medusa = isinstance(draft, MedusaDraft)
     lines = [
-        f"# EAGLE-3 draft for {verifier}",
+        f"# {'Medusa heads' if is_medusa else 'EAGLE-3 draft'} for {verifier}",
         "",
-        f"Exported by speculators_train {__version__} in the `{fmt}` format, for {ENGINES[fmt]}.",
+        f"Exported by speculators_train {__version__} in the `{fmt}` format, for "
+        f"{MEDUSA_ENGINES if is_medusa else ENGINES[fmt]}.",
         "",
         "| setting | value |",
         "|---|---|",
         f"| target (verifier) | `{verifier}` |",
-        f"| target states read | {ids} |",
-        f"| draft vocabulary | {cfg.draft_vocab_size} of {cfg.target_vocab_size} target ids |",
-        f"| speculative tokens | {recipe.eval.num_speculative_tokens} |",
-        f"| norm_before_residual | {str(cfg.norm_before_residual).lower()} |",
+        *(f"| {name} | {value} |" for name, value in _settings(draft, fmt, recipe)),
         f"| dtype | {dtype} |",
         "",
         "## Data",
@@ -136,7 +159,8 @@ def model_card(
         lines.append(
             f"Step {state.get('step')} (epoch {state.get('epoch')}), {state.get('tokens')} tokens seen; "
             f"lr {t.learning_rate:g}, {t.batch_size} samples x {t.gradient_accumulation_steps} accumulation x "
-            f"{(state.get('identity') or {}).get('world_size', 1)} ranks per step, {recipe.eagle3.ttt_steps} TTT steps."
+            f"{(state.get('identity') or {}).get('world_size', 1)} ranks per step"
+            + ("." if is_medusa else f", {recipe.eagle3.ttt_steps} TTT steps.")
         )
         if state.get("best"):
             best = state["best"]
@@ -193,6 +217,9 @@ def export(
     )
     check_fits(checkpoint, draft.config, target_config.hidden_size, target_config.vocab_size, num_layers)
     fill_embedding(draft, has_embedding, head["embed"])
+    is_medusa = isinstance(draft, MedusaDraft)
+    if fmt == "sglang" and is_medusa:
+        raise UserError(f"{checkpoint}: Medusa heads; SGLang has no Medusa speculator, use --format speculators")
     if fmt == "sglang" and (problems := sglang.unsupported(draft.config)):
         raise UserError(f"{checkpoint}: cannot export for SGLang: {'; '.join(problems)}")
 
@@ -203,15 +230,14 @@ def export(
             f"verifier {verifier!r} is a local path: a serving machine must have it there too, and vLLM's "
             "one-argument `vllm serve <dir>` needs a hub id (set export.verifier)"
         )
-    commands = serve_commands(fmt, out, verifier, recipe)
-    if fmt == "speculators":
-        config = speculators.speculators_config(
-            draft.config,
-            verifier,
-            list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"]),
-            recipe.eval.num_speculative_tokens,
-            dtype,
-        )
+    commands = serve_commands(fmt, out, verifier, recipe, draft.config.num_heads if is_medusa else None)
+    architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
+    k = recipe.eval.num_speculative_tokens
+    if is_medusa:
+        config = medusa.medusa_config(draft.config, verifier, architectures, k, dtype)
+        weights = medusa.medusa_weights(draft, DTYPES[dtype])
+    elif fmt == "speculators":
+        config = speculators.speculators_config(draft.config, verifier, architectures, k, dtype)
         weights = export_weights(draft, DTYPES[dtype])
     else:
         config = sglang.sglang_config(draft.config, dtype)

@@ -9,7 +9,9 @@ Alignment (T tokens; y = stored pre-norm final states, l = loss mask; y_j gives 
 
 Head h's loss weight is decay**h. Accuracies compare with the target's greedy token, since that is what greedy
 verification accepts: `full_i` counts positions where heads 0..i are all right (the chain a verifier accepts),
-so the predicted acceptance length is 1 + sum_i full_acc_i as for EAGLE-3; `top1_i`/`top5_i` score each head alone.
+so the predicted acceptance length is 1 + sum_i full_acc_i as for EAGLE-3; `top1_i`/`top5_i` score each head alone,
+and `rank{r}_i` counts how often head i's rank-r candidate is the target's token: the per-head accuracies Medusa
+builds its candidate tree from (`verify.proposers.measured_tree`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from speculators_train.models.medusa import MedusaDraft
 from speculators_train.models.vocab import draft_to_target
 from speculators_train.training.ttt import TargetHead, global_counts
 
+RANKS = 10  # candidate ranks scored per head: the widest tree a measured tree can grow
+
 
 def medusa_loss(
     draft: MedusaDraft,
@@ -31,7 +35,8 @@ def medusa_loss(
     hard: bool,
     across_ranks: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weighted per-head loss and metric sums (the same keys as EAGLE-3's, plus `top1_i`, `top5_i`, `tokens_i`)."""
+    """Weighted per-head loss and metric sums (the same keys as EAGLE-3's, plus `top1_i`, `top5_i`, `rank{r}_i` and
+    `tokens_i`)."""
     ids, final, mask = batch["input_ids"], batch["hidden_state"], batch["loss_mask"]
     length = ids.shape[1]
     with torch.no_grad():
@@ -69,8 +74,8 @@ def medusa_loss(
         total = total + decay**h * (ce * valid[h]).sum() / denominators[h]
         want = greedy_draft[:, 1 + h : length]
         right = in_vocab[:, 1 + h : length]
-        correct = (lg.argmax(-1) == want) & right
-        top5 = (lg.topk(min(5, lg.shape[-1]), dim=-1).indices == want[..., None]).any(-1) & right
+        hits = (lg.topk(min(RANKS, lg.shape[-1]), dim=-1).indices == want[..., None]) & right[..., None]
+        correct = hits[..., 0]
         prev = chain_ok[:, :n]
         chain_in = chain_in[:, :n] & trained[h]
         metrics[f"cond_n_{h}"] = (prev & chain_in).sum().float()
@@ -79,8 +84,11 @@ def medusa_loss(
         metrics[f"n_{h}"] = counts[h].float()
         metrics[f"full_{h}"] = (chain_ok & chain_in).sum().float()
         metrics[f"chains_{h}"] = chain_in.sum().float()
-        metrics[f"top1_{h}"] = (correct & trained[h]).sum().float()
-        metrics[f"top5_{h}"] = (top5 & trained[h]).sum().float()
+        ranked = (hits & trained[h][..., None]).sum((0, 1)).float()
+        metrics[f"top1_{h}"] = ranked[0]
+        metrics[f"top5_{h}"] = ranked[:5].sum()
+        for r in range(RANKS):
+            metrics[f"rank{r}_{h}"] = ranked[r] if r < len(ranked) else torch.zeros((), device=ids.device)
         metrics[f"tokens_{h}"] = trained[h].sum().float()
     return total, metrics
 
@@ -95,7 +103,8 @@ class MedusaObjective(nn.Module):
         self.decay = decay
         self.hard = hard
         self.steps = draft.config.num_heads
-        self.metric_names = ("loss", "n", "full", "chains", "cond_n", "top1", "top5", "tokens")
+        ranks = tuple(f"rank{r}" for r in range(RANKS))
+        self.metric_names = ("loss", "n", "full", "chains", "cond_n", "top1", "top5", "tokens", *ranks)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return medusa_loss(self.draft, batch, self.head, self.decay, self.hard, across_ranks=self.training)

@@ -79,6 +79,8 @@ def initial_draft(
     if recipe.training.init_from:
         path = recipe.resolve_path(recipe.training.init_from, "training.init_from", directory=True)
         draft, _, read = load_any_draft(path, target_config.num_hidden_layers)
+        if not isinstance(draft, Eagle3Draft):
+            raise UserError(f"{read}: Medusa heads; training.init_from fine-tunes EAGLE-3 drafts only")
         check_fits(
             read, draft.config, target_config.hidden_size, target_config.vocab_size, target_config.num_hidden_layers
         )
@@ -292,6 +294,7 @@ class Trainer:
         """Validate on the held-out split; a better predicted acceptance length is checkpointed as the best.
         Returns the metrics and whether this step was just saved."""
         metrics = self.validate()
+        self.state["held_out"] = metrics  # saved with the checkpoint: Medusa's measured tree reads its accuracies
         key = f"predicted_al_{min(self.recipe.eval.num_speculative_tokens, self.steps)}"
         self._log({"step": self.state["step"], **{f"val/{k}": v for k, v in metrics.items()}})
         best = self.state["best"]

@@ -132,6 +132,10 @@ def summarize(sums: dict[str, float], steps: int, k: int | None = None) -> dict[
         if f"top1_{i}" in sums:  # Medusa: each head alone
             out[f"top1_acc_{i}"] = sums[f"top1_{i}"] / max(sums[f"tokens_{i}"], 1.0)
             out[f"top5_acc_{i}"] = sums[f"top5_{i}"] / max(sums[f"tokens_{i}"], 1.0)
+            r = 0
+            while f"rank{r}_{i}" in sums:
+                out[f"rank{r}_acc_{i}"] = sums[f"rank{r}_{i}"] / max(sums[f"tokens_{i}"], 1.0)
+                r += 1
     # Share of trained tokens the draft vocab can express at all: a ceiling on full_acc_0.
     out["vocab_coverage"] = sums["n_0"] / max(sums["chains_0"], 1.0)
     k = steps if k is None else min(k, steps)

@@ -64,7 +64,7 @@ def _cut(new: list[int], have: int, max_new_tokens: int, eos: set[int]) -> tuple
 
 
 class TargetRunner:
-    """The target with a KV cache: forwards that also return the aux states the EAGLE-3 draft reads."""
+    """The target with a KV cache: forwards that also return the states a draft reads."""
 
     def __init__(self, target: Target) -> None:
         self.target = target
@@ -88,10 +88,11 @@ class TargetRunner:
 
     @torch.inference_mode()
     def forward(
-        self, tokens: list[int], tree: DraftTree | None = None, capture: bool = True
+        self, tokens: list[int], tree: DraftTree | None = None, capture: str | None = "aux"
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [T, V] (float32) and, if `capture`, the concatenated aux states [T, A*H] for `tokens`
-        appended after the cache; with `tree`, tokens[0] is the root and tokens[1:] are its nodes."""
+        """Logits [T, V] (float32) and the states a proposer reads for `tokens` appended after the cache: with
+        `capture="aux"` the concatenated aux states [T, A*H], with "final" the pre-norm last layer output [T, H],
+        with None nothing. With `tree`, tokens[0] is the root and tokens[1:] are its nodes."""
         start = self.length
         ids = torch.tensor([tokens], device=self.device)
         mask = None
@@ -110,13 +111,13 @@ class TargetRunner:
             mask = torch.zeros(1, 1, t, start + t, dtype=dtype, device=self.device)
             mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         kwargs = {"past_key_values": self.cache, "position_ids": positions[None], "use_cache": True}
-        if capture:
-            with self.target.capture() as store:
-                logits = self.model(input_ids=ids, attention_mask=mask, **kwargs).logits
-            aux = torch.cat([store[i] for i in self.target.aux_layer_ids], dim=-1)[0]
-        else:
-            logits, aux = self.model(input_ids=ids, attention_mask=mask, **kwargs).logits, None
-        return logits[0].float(), aux
+        if capture is None:
+            return self.model(input_ids=ids, attention_mask=mask, **kwargs).logits[0].float(), None
+        with self.target.capture() as store:
+            logits = self.model(input_ids=ids, attention_mask=mask, **kwargs).logits
+        if capture == "final":
+            return logits[0].float(), store["final"][0]
+        return logits[0].float(), torch.cat([store[i] for i in self.target.aux_layer_ids], dim=-1)[0]
 
     def keep(self, length: int, extra: list[int]) -> None:
         """Keep the first `length` cache entries plus the entries at `extra` (absolute indices, ascending)."""
@@ -159,9 +160,9 @@ class SpeculativeDecoder:
         runner.reset()
         self.proposer.reset()
         with _timed(result, "prefill_seconds", device):
-            _, aux = runner.forward(prompt[:-1])
+            _, states = runner.forward(prompt[:-1], capture=self.proposer.state)
         with _timed(result, "draft_seconds", device):
-            self.proposer.extend(prompt[1:], aux)
+            self.proposer.extend(prompt[1:], states)
         pending, done = prompt[-1], max_new_tokens <= 0
         while not done:
             with _timed(result, "draft_seconds", device):
@@ -173,7 +174,7 @@ class SpeculativeDecoder:
                     drafts, q = tree.tokens, None
             before = runner.length
             with _timed(result, "verify_seconds", device):
-                logits, aux = runner.forward([pending, *drafts], tree)
+                logits, states = runner.forward([pending, *drafts], tree, self.proposer.state)
             path, token = self._accept(drafts, q, logits, tree, generator)
             result.accepted.append(len(path))
             new = [drafts[node] for node in path] + [token]
@@ -183,7 +184,7 @@ class SpeculativeDecoder:
                 break
             runner.keep(before + 1, [before + 1 + node for node in path])
             with _timed(result, "draft_seconds", device):
-                self.proposer.extend(new, aux[[0, *(1 + node for node in path)]])
+                self.proposer.extend(new, states[[0, *(1 + node for node in path)]])
             pending = token
         result.seconds = time.perf_counter() - started
         return result
@@ -239,10 +240,10 @@ def decode_plain(
     result = Generation(tokens=[])
     if max_new_tokens > 0:
         with _timed(result, "prefill_seconds", runner.device):
-            runner.forward(prompt[:-1], capture=False)
+            runner.forward(prompt[:-1], capture=None)
         pending, done = prompt[-1], False
         while not done:
-            logits, _ = runner.forward([pending], capture=False)
+            logits, _ = runner.forward([pending], capture=None)
             if sampling.greedy:
                 token = int(logits[-1].argmax())
             else:

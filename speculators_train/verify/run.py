@@ -17,32 +17,60 @@ import yaml
 from tqdm import tqdm
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from speculators_train.errors import UserError
 from speculators_train.export.drafts import check_fits, fill_embedding, load_any_draft
-from speculators_train.files import atomic_write_bytes
+from speculators_train.files import atomic_write_bytes, read_json
 from speculators_train.models.eagle3 import Eagle3Draft
+from speculators_train.models.medusa import MedusaDraft
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
 from speculators_train.target import Target, load_target
 from speculators_train.verify.decoder import Generation, SpeculativeDecoder, decode_plain
-from speculators_train.verify.proposers import Eagle3Proposer, TreeSpec
+from speculators_train.verify.proposers import Eagle3Proposer, MedusaProposer, Proposer, TreeSpec, measured_tree
 from speculators_train.verify.report import score, write_outputs
 from speculators_train.verify.sampling import Sampling
 from speculators_train.verify.suites import Suite, load_suite
 
 
-def load_draft_for(target: Target, path: Path) -> tuple[Eagle3Draft, Path]:
-    """A draft of ours or one in the speculators/SGLang layout made elsewhere, on the target's device and dtype,
-    its embedding taken from the target unless it ships one, shapes checked; and the directory actually read."""
+def load_draft_for(target: Target, path: Path) -> tuple[Eagle3Draft | MedusaDraft, Path]:
+    """A draft of ours or one in the speculators/SGLang/vLLM-Medusa layout made elsewhere, on the target's device
+    and dtype, its embedding taken from the target unless it ships one, shapes checked; and the directory read."""
     draft, has_embedding, resolved = load_any_draft(path, target.num_layers)
     cfg = draft.config
     check_fits(resolved, cfg, target.hidden_size, target.vocab_size, target.num_layers)
+    device = next(target.model.parameters()).device
+    if isinstance(draft, MedusaDraft):
+        return draft.to(device=device, dtype=target.dtype).eval(), resolved
     target.aux_layer_ids = list(cfg.aux_layer_ids)  # capture what this draft was trained on
     fill_embedding(draft, has_embedding, target.embed_tokens.weight)
-    device = next(target.model.parameters()).device
     draft = draft.to(device=device, dtype=target.dtype).eval()
     # `.to(dtype)` also rounds RoPE's inv_freq buffer; rebuild it in fp32 as training and engines keep it.
     draft.rotary_emb = LlamaRotaryEmbedding(cfg.llama).to(device)
     return draft, resolved
+
+
+def proposer_for(draft: Eagle3Draft | MedusaDraft, target: Target) -> Proposer:
+    if isinstance(draft, MedusaDraft):
+        return MedusaProposer(draft, target.final_norm)
+    return Eagle3Proposer(draft)
+
+
+def rank_accuracies(checkpoint: Path, heads: int) -> list[list[float]]:
+    """Per-head rank accuracies [head][rank] recorded with a Medusa checkpoint's held-out metrics."""
+    state_file = checkpoint / "trainer_state.json"
+    held_out = read_json(state_file, "trainer state").get("held_out", {}) if state_file.is_file() else {}
+    out = []
+    for h in range(heads):
+        row = []
+        while f"rank{len(row)}_acc_{h}" in held_out:
+            row.append(float(held_out[f"rank{len(row)}_acc_{h}"]))
+        out.append(row)
+    if not all(out):
+        raise UserError(
+            f"{checkpoint}: eval.tree.shape 'measured' needs the held-out per-head rank accuracies that a Medusa "
+            "checkpoint trained by this toolkit records; this one has none (use shape 'dynamic')"
+        )
+    return out
 
 
 def eos_ids(target: Target) -> set[int]:
@@ -85,13 +113,24 @@ def warm_up(target: Target, decoder: SpeculativeDecoder, suite: Suite) -> None:
     decoder.generate(prompt, 8, set(), torch.Generator(device=target.model.device))
 
 
-def shape_of(recipe: Recipe) -> tuple[str, int, TreeSpec | None]:
-    """(label, K as scored, tree spec or None) for the recipe's eval mode."""
+def shape_of(recipe: Recipe, draft: Eagle3Draft | MedusaDraft, checkpoint: Path) -> tuple[str, int, TreeSpec | None]:
+    """(label, K as scored, tree spec or None) for the recipe's eval mode and this draft. Medusa drafts at most
+    one token per head."""
     ev = recipe.eval
+    heads = draft.config.num_heads if isinstance(draft, MedusaDraft) else None
     if ev.mode == "tree":
-        tree = TreeSpec(ev.tree.top_k, ev.tree.depth, ev.tree.budget)
+        t = ev.tree
+        if t.shape == "measured":
+            if heads is None:
+                raise UserError("eval.tree.shape 'measured' builds a Medusa tree; EAGLE-3 drafts grow theirs")
+            depth = min(t.depth, heads)
+            paths = measured_tree(rank_accuracies(checkpoint, depth), t.budget)
+            tree = TreeSpec(t.top_k, depth, t.budget, paths)
+            return tree.describe(), max(map(len, paths)), tree
+        tree = TreeSpec(t.top_k, t.depth if heads is None else min(t.depth, heads), t.budget)
         return tree.describe(), tree.depth, tree
-    return f"chain(K={ev.num_speculative_tokens})", ev.num_speculative_tokens, None
+    k = ev.num_speculative_tokens if heads is None else min(ev.num_speculative_tokens, heads)
+    return f"chain(K={k})", k, None
 
 
 def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tuple[Path, list[dict[str, Any]]]:
@@ -106,7 +145,7 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
     dump = recipe.model_dump(mode="json")
     atomic_write_bytes(out_dir / "recipe.yaml", yaml.safe_dump(dump, sort_keys=False).encode())
     write_run_info(out_dir, dump)
-    shape, k, tree = shape_of(recipe)
+    shape, k, tree = shape_of(recipe, draft, checkpoint)
     total = 2 * sum(len(s.prompts) for s in suites) * len(ev.temperatures)
     records = []
     with tqdm(total=total, unit="prompt", desc="verify") as bar:
@@ -114,7 +153,7 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
             max_new = ev.max_new_tokens or suite.config.max_new_tokens
             for temperature in ev.temperatures:
                 sampling = Sampling(temperature, ev.top_p)
-                decoder = SpeculativeDecoder(target, Eagle3Proposer(draft), sampling, k, tree)
+                decoder = SpeculativeDecoder(target, proposer_for(draft, target), sampling, k, tree)
                 warm_up(target, decoder, suite)
                 bar.set_postfix(suite=suite.config.name, T=temperature, run="target-only")
                 baseline = run_baseline(target, suite, max_new, sampling, recipe.seed, bar)

@@ -1,0 +1,128 @@
+"""The Medusa layout: one directory that vLLM's Medusa loader and a speculators-style reader both take.
+
+    config.json         model_type "medusa", architectures ["MedusaModel"], hidden_size, vocab_size (the target's),
+                        num_heads, num_hidden_layers (blocks per head), truncated_vocab_size, medusa_fc_bias,
+                        plus speculators_model_type "medusa" and speculators_config {algorithm, proposal_methods,
+                        verifier} as `speculators` writes them for EAGLE-3
+    model.safetensors   blocks.{h}.layers.{l}.weight/.bias, lm_heads.{h}.weight [truncated_vocab_size, H],
+                        token_map (int64: the target id of each draft id)
+
+vLLM reads `token_map` only when truncated_vocab_size < vocab_size, and then scatters each head's logits into
+the full vocabulary at those ids: the same map as our d2t (token_map = arange + d2t). It strips a
+`medusa_heads.` prefix and takes `original_lm_head: true` as one lm_head shared by every head; both are read here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from speculators_train.errors import UserError
+from speculators_train.export.speculators import SPECULATORS_VERSION, read_weights
+from speculators_train.files import read_json
+from speculators_train.models.medusa import MedusaConfig, MedusaDraft
+from speculators_train.models.vocab import draft_to_target
+
+
+def medusa_config(
+    config: MedusaConfig, verifier: str, verifier_architectures: list[str], speculative_tokens: int, dtype: str
+) -> dict[str, Any]:
+    return {
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.target_vocab_size,
+        "num_heads": config.num_heads,
+        "num_hidden_layers": config.num_layers,
+        "truncated_vocab_size": config.draft_vocab_size,
+        "medusa_fc_bias": True,
+        "original_lm_head": False,
+        "target_num_layers": config.target_num_layers,
+        "speculators_model_type": "medusa",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": "medusa",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": min(speculative_tokens, config.num_heads),
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
+        },
+        "dtype": dtype,
+        "transformers_version": transformers.__version__,
+    }
+
+
+def medusa_weights(draft: MedusaDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Head weights in `dtype` and the int64 `token_map`; d2t/t2d are not written, token_map carries both."""
+    out = {
+        name: tensor.detach().to(dtype).cpu().contiguous()
+        for name, tensor in draft.state_dict().items()
+        if name not in ("d2t", "t2d")
+    }
+    out["token_map"] = draft_to_target(draft.d2t).to(torch.int64).cpu().contiguous()
+    return out
+
+
+def is_medusa_export(path: Path) -> bool:
+    config = path / "config.json"
+    if not config.is_file():
+        return False
+    saved = read_json(config, "draft config")
+    return saved.get("model_type") == "medusa" or saved.get("speculators_model_type") == "medusa"
+
+
+def load_medusa(path: Path) -> MedusaDraft:
+    """Heads from a vLLM Medusa directory (ours or another tool's)."""
+    config = read_json(path / "config.json", "draft config")
+    missing = [key for key in ("hidden_size", "vocab_size", "num_heads") if key not in config]
+    if missing:
+        raise UserError(f"{path / 'config.json'}: not a Medusa config (missing {missing})")
+    vocab = int(config["vocab_size"])
+    truncated = int(config.get("truncated_vocab_size") or vocab)
+    cfg = MedusaConfig(
+        hidden_size=int(config["hidden_size"]),
+        num_heads=int(config["num_heads"]),
+        num_layers=int(config.get("num_hidden_layers", 1)),
+        draft_vocab_size=truncated,
+        target_vocab_size=vocab,
+        target_num_layers=int(config.get("target_num_layers") or 0),
+    )
+    weights = {name.removeprefix("medusa_heads."): t for name, t in read_weights(path).items()}
+    if config.get("original_lm_head") and "lm_heads.0.weight" in weights:
+        for h in range(1, cfg.num_heads):
+            weights.setdefault(f"lm_heads.{h}.weight", weights["lm_heads.0.weight"])
+    token_map = weights.pop("token_map", None)
+    if token_map is None:
+        if truncated != vocab:
+            raise UserError(f"{path}: truncated_vocab_size {truncated} < vocab_size {vocab} but no token_map")
+        token_map = torch.arange(vocab)
+    token_map = token_map.to(torch.int64)
+    if token_map.shape != (truncated,) or token_map.min() < 0 or token_map.max() >= vocab:
+        raise UserError(
+            f"{path}: token_map must hold {truncated} ids of a {vocab}-token vocabulary "
+            f"(got shape {tuple(token_map.shape)})"
+        )
+    weights["d2t"] = token_map - torch.arange(truncated)
+    weights["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, token_map, True)
+    draft = MedusaDraft(cfg)
+    if not config.get("medusa_fc_bias", False):  # bias-free blocks are ours with a zero bias
+        for name, param in draft.named_parameters():
+            if name.endswith(".bias"):
+                weights.setdefault(name, torch.zeros_like(param))
+    try:
+        missing_names, unexpected = draft.load_state_dict(weights, strict=False)
+    except RuntimeError as exc:
+        detail = " ".join(str(exc).split("\n\t")[1:2]) or str(exc)
+        raise UserError(f"{path}: weights do not fit its config.json ({detail.strip()})") from None
+    if missing_names or unexpected:
+        raise UserError(f"{path}: weights do not fit Medusa heads (missing {missing_names}, unexpected {unexpected})")
+    return draft
