@@ -147,6 +147,37 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_osd(args: argparse.Namespace) -> int:
+    """Ingest production logs exactly once (each pass, or polling with --watch)."""
+    import time
+
+    from speculators_train.osd.ingest import LogIngestor, Redactor
+
+    recipe = _recipe(args)
+    cfg = recipe.osd
+    logs = args.logs or cfg.logs
+    if not logs:
+        raise UserError(f"{recipe.source_path}: no logs directory: pass --logs DIR or set osd.logs")
+    logs_dir = Path(logs) if args.logs else recipe.resolve_path(logs, "osd.logs", directory=True)
+    redactor = Redactor(cfg.redact, cfg.redact_builtin, cfg.redact_hook)
+    while True:
+        ingestor = LogIngestor(logs_dir, recipe.run_dir / "osd" / "ingest", redactor, cfg.commit_every)
+        stats = ingestor.run()
+        state = ingestor.state
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(stats.reasons.items()))
+        line = f"ingested {stats.records} new records from {stats.files} files, quarantined {stats.quarantined}"
+        line += f" ({reasons})" if reasons else ""
+        line += f"; {state['records']} records and {state['quarantined']} quarantined in all"
+        if stats.pending_bytes:
+            line += f"; {stats.pending_bytes} bytes of unfinished lines left for the next pass"
+        console.print(line, highlight=False)
+        for note in stats.notes:
+            console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
+        if not args.watch:
+            return 0
+        time.sleep(cfg.poll_seconds)
+
+
 COMMANDS = {
     "data": (cmd_data, "read the data mix and report record counts and skips"),
     "generate": (cmd_generate, "run the target over the data and store its hidden states (resumable)"),
@@ -154,6 +185,7 @@ COMMANDS = {
     "validate": (cmd_validate, "check every hidden-state shard against the manifest (recipe or directory)"),
     "verify": (cmd_verify, "speculative decoding with the real target: acceptance length, speedup, exactness"),
     "export": (cmd_export, "write the draft for vLLM (speculators format) or SGLang, with tokenizer and a card"),
+    "osd": (cmd_osd, "ingest production logs (JSONL) exactly once, redacted, for online distillation"),
 }
 
 
@@ -176,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", help="output dir; default <run dir>/export/<format>")
             p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: export.dtype")
             p.add_argument("--force", action="store_true", help="replace an existing output dir")
+        if name == "osd":
+            p.add_argument("--logs", help="directory of JSONL logs; default: osd.logs")
+            p.add_argument("--watch", action="store_true", help="keep polling for new files and lines")
         p.set_defaults(func=func)
     return parser
 

@@ -210,6 +210,17 @@ class EvalConfig(Section):
         return value
 
 
+class OSDConfig(Section):
+    """Online distillation on production logs: ingestion settings (SPEC section 8)."""
+
+    logs: str | None = Field(None, description="Directory of JSONL logs (the --logs option overrides it).")
+    redact: list[str] = Field(default_factory=list, description="Regexes replaced by [REDACTED] before storing.")
+    redact_builtin: bool = Field(True, description="Also redact emails, API keys and bearer tokens.")
+    redact_hook: str | None = Field(None, description="'module:function' (str -> str) run after the regexes.")
+    commit_every: int = Field(256, gt=0, description="Log lines per ingestion commit (the unit redone after a kill).")
+    poll_seconds: float = Field(30.0, gt=0, description="Pause between passes with --watch.")
+
+
 class Recipe(Section):
     name: str = Field(description="Run name; also the default run directory runs/<name>.")
     output_dir: str | None = Field(None, description="Run directory; default runs/<name>.")
@@ -222,6 +233,7 @@ class Recipe(Section):
     medusa: MedusaSection = Field(default_factory=MedusaSection)
     export: ExportConfig = Field(default_factory=ExportConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    osd: OSDConfig = Field(default_factory=OSDConfig)
 
     @model_validator(mode="after")
     def _name(self) -> Recipe:
