@@ -148,10 +148,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_osd(args: argparse.Namespace) -> int:
-    """Ingest production logs exactly once (each pass, or polling with --watch)."""
+    """Ingest production logs exactly once; unless --ingest-only, score, distil and promote (polling with --watch)."""
     import time
 
-    from speculators_train.osd.ingest import LogIngestor, Redactor
+    from speculators_train.osd.ingest import IngestStats, LogIngestor, Redactor
 
     recipe = _recipe(args)
     cfg = recipe.osd
@@ -159,23 +159,45 @@ def cmd_osd(args: argparse.Namespace) -> int:
     if not logs:
         raise UserError(f"{recipe.source_path}: no logs directory: pass --logs DIR or set osd.logs")
     logs_dir = Path(logs) if args.logs else recipe.resolve_path(logs, "osd.logs", directory=True)
-    redactor = Redactor(cfg.redact, cfg.redact_builtin, cfg.redact_hook)
+    root = recipe.run_dir / "osd"
+    distiller = None
+    if not args.ingest_only:
+        from speculators_train.osd.distill import OnlineDistiller
+
+        distiller = OnlineDistiller(recipe, logs_dir)
     while True:
-        ingestor = LogIngestor(logs_dir, recipe.run_dir / "osd" / "ingest", redactor, cfg.commit_every)
-        stats = ingestor.run()
-        state = ingestor.state
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(stats.reasons.items()))
-        line = f"ingested {stats.records} new records from {stats.files} files, quarantined {stats.quarantined}"
-        line += f" ({reasons})" if reasons else ""
-        line += f"; {state['records']} records and {state['quarantined']} quarantined in all"
-        if stats.pending_bytes:
-            line += f"; {stats.pending_bytes} bytes of unfinished lines left for the next pass"
-        console.print(line, highlight=False)
-        for note in stats.notes:
-            console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
+        if distiller is None:
+            ingestor = LogIngestor(
+                logs_dir, root / "ingest", Redactor(cfg.redact, cfg.redact_builtin, cfg.redact_hook), cfg.commit_every
+            )
+            _report_ingest(ingestor.run(), ingestor.state)
+        else:
+            for record in distiller.run():
+                _report_window(record)
+            _report_ingest(distiller.last_ingest or IngestStats(), distiller.ingestor.state)
         if not args.watch:
             return 0
         time.sleep(cfg.poll_seconds)
+
+
+def _report_ingest(stats, state: dict) -> None:
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(stats.reasons.items()))
+    line = f"ingested {stats.records} new records from {stats.files} files, quarantined {stats.quarantined}"
+    line += f" ({reasons})" if reasons else ""
+    line += f"; {state['records']} records and {state['quarantined']} quarantined in all"
+    if stats.pending_bytes:
+        line += f"; {stats.pending_bytes} bytes of unfinished lines left for the next pass"
+    console.print(line, highlight=False)
+    for note in stats.notes:
+        console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
+
+
+def _report_window(record: dict) -> None:
+    window = "-" if record["window_al"] is None else f"{record['window_al']:.3f}"
+    line = f"records {record['records_seen']}: traffic AL {window} under v{record['version']}"
+    if "promoted" in record:
+        line += f"; update {'promoted' if record['promoted'] else 'kept the current draft'}: {record['reason']}"
+    console.print(line, highlight=False)
 
 
 COMMANDS = {
@@ -185,7 +207,7 @@ COMMANDS = {
     "validate": (cmd_validate, "check every hidden-state shard against the manifest (recipe or directory)"),
     "verify": (cmd_verify, "speculative decoding with the real target: acceptance length, speedup, exactness"),
     "export": (cmd_export, "write the draft for vLLM (speculators format) or SGLang, with tokenizer and a card"),
-    "osd": (cmd_osd, "ingest production logs (JSONL) exactly once, redacted, for online distillation"),
+    "osd": (cmd_osd, "online distillation on production logs: ingest, score, distil, promote a better draft"),
 }
 
 
@@ -211,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "osd":
             p.add_argument("--logs", help="directory of JSONL logs; default: osd.logs")
             p.add_argument("--watch", action="store_true", help="keep polling for new files and lines")
+            p.add_argument("--ingest-only", action="store_true", help="ingest and redact, no scoring or training")
         p.set_defaults(func=func)
     return parser
 

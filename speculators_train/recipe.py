@@ -219,6 +219,20 @@ class OSDConfig(Section):
     redact_hook: str | None = Field(None, description="'module:function' (str -> str) run after the regexes.")
     commit_every: int = Field(256, gt=0, description="Log lines per ingestion commit (the unit redone after a kill).")
     poll_seconds: float = Field(30.0, gt=0, description="Pause between passes with --watch.")
+    init_from: str | None = Field(None, description="The deployed draft to adapt (checkpoint or export dir).")
+    update_interval: int = Field(64, gt=0, description="Log records per distillation update.")
+    steps_per_update: int = Field(16, gt=0, description="Optimizer steps per update, on batches from the buffer.")
+    batch_size: int = Field(4, gt=0)
+    learning_rate: float = Field(1e-4, gt=0)
+    divergence: Literal["ce", "forward_kl", "reverse_kl", "jsd", "tvd"] = Field(
+        "forward_kl", description="Distillation divergence against the target (training/divergence.py)."
+    )
+    buffer_size: int = Field(128, gt=0, description="Records kept, favouring those the draft failed on.")
+    held_out_fraction: float = Field(0.1, gt=0, lt=1, description="Log records kept out of training for the gate.")
+    held_out_records: int = Field(64, gt=0, description="Cap on the held-out log slice.")
+    general_records: int = Field(32, gt=0, description="Records of the recipe's held-out chat split for the gate.")
+    min_gain: float = Field(0.0, ge=0, description="Promote only if the log-slice AL rises by more than this.")
+    general_margin: float = Field(0.02, ge=0, description="Largest general-suite AL loss a promotion may cost.")
 
 
 class Recipe(Section):

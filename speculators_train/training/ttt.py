@@ -22,6 +22,7 @@ from torch import nn
 
 from speculators_train.models.eagle3 import Eagle3Draft
 from speculators_train.models.vocab import draft_to_target
+from speculators_train.training.divergence import Divergence, divergence
 
 
 class TargetHead(nn.Module):
@@ -68,8 +69,11 @@ def ttt_loss(
     steps: int,
     decay: float,
     across_ranks: bool = False,
+    kind: Divergence = "ce",
+    beta: float = 0.5,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weighted soft cross-entropy over the unrolled steps, and (numerator, denominator) metric sums.
+    """Weighted soft cross-entropy (or another divergence, `kind`) over the unrolled steps, and (numerator,
+    denominator) metric sums.
 
     Returned metrics are sums, so they can be added over batches and ranks before dividing:
     `loss_i` / `n_i` (per-token CE over trained in-vocab tokens), `full_i` / `chains_i` (chains whose
@@ -90,7 +94,7 @@ def ttt_loss(
         lg = step_logits[:, :n].float()
         target = a.target_probs[:, i:]
         m = a.valid[:, i:]
-        ce = -(target * torch.log_softmax(lg, dim=-1)).sum(-1)  # [B, n]
+        ce = divergence(target, torch.log_softmax(lg, dim=-1), kind, beta)  # [B, n]
         total = total + decay**i * (ce * m).sum() / denominators[i]
         correct = lg.argmax(-1) == target.argmax(-1)
         prev = chain_ok[:, :n]
@@ -148,13 +152,24 @@ class Eagle3Objective(nn.Module):
 
     Wrapping this (not the bare draft) in DDP/DeepSpeed makes the whole TTT unroll one forward."""
 
-    def __init__(self, draft: Eagle3Draft, head: TargetHead, steps: int, decay: float) -> None:
+    def __init__(
+        self,
+        draft: Eagle3Draft,
+        head: TargetHead,
+        steps: int,
+        decay: float,
+        kind: Divergence = "ce",
+        beta: float = 0.5,
+    ) -> None:
         super().__init__()
         self.draft = draft
         self.head = head
         self.steps = steps
         self.decay = decay
+        self.kind, self.beta = kind, beta
         self.metric_names = ("loss", "n", "full", "chains", "cond_n")
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return ttt_loss(self.draft, batch, self.head, self.steps, self.decay, across_ranks=self.training)
+        return ttt_loss(
+            self.draft, batch, self.head, self.steps, self.decay, self.training, kind=self.kind, beta=self.beta
+        )

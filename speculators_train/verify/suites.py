@@ -45,6 +45,7 @@ class SuiteConfig(Section):
 class Prompt:
     id: str
     ids: list[int]
+    messages: list[dict[str, str]]  # the conversation up to the first reply, as rendered into `ids`
 
 
 @dataclass
@@ -97,7 +98,7 @@ def load_suite(path: Path, recipe: Recipe, tokenizer, num_prompts: int | None = 
         if len(ids) > cfg.max_prompt_tokens:
             skips.skip(f"prompt over max_prompt_tokens ({cfg.max_prompt_tokens})", conv.origin)
             continue
-        prompts.append(Prompt(conv.id, ids))
+        prompts.append(Prompt(conv.id, ids, messages))
     if not prompts:
         raise UserError(
             f"{path}: suite {cfg.name!r} found no prompts ({cfg.split} split of "

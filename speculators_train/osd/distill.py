@@ -1,0 +1,296 @@
+"""Online speculative distillation (SPEC section 8): score logged traffic with the current draft, keep the records
+where it fails, distil on them, and promote a new version only when it measurably helps.
+
+    <run dir>/osd/ingest/...            exactly-once log ingestion (osd/ingest.py)
+    <run dir>/osd/progress.json         entries consumed, records seen, current version (the commit point)
+    <run dir>/osd/versions/vNNNN/       checkpoint/ (ours) and speculators/ (`vllm serve` it)
+    <run dir>/osd/current -> versions/vNNNN     replaced atomically on promotion
+    <run dir>/osd/history.jsonl         one line per update: acceptance before/after, promoted or why not
+    <run dir>/osd/acceptance.png        acceptance length vs records seen
+
+Acceptance is scored teacher-forced on the target's own states, as training predicts it: chain j accepts at least
+i+1 drafts iff draft steps 0..i all give the target's greedy token, so AL(K) = 1 + sum_i full_acc_i (the greedy
+acceptance the verify loop measures on target-greedy text; the two agreed within 0.05 on the demo draft).
+Logged responses come from the target itself, so the same holds on traffic.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculators_train.data.conversations import Conversation
+from speculators_train.data.mix import is_held_out
+from speculators_train.errors import UserError
+from speculators_train.export.drafts import check_fits, fill_embedding, load_any_draft
+from speculators_train.files import atomic_write_json, read_json
+from speculators_train.hidden_states.generator import load_splits, process_chunk
+from speculators_train.models.eagle3 import Eagle3Draft
+from speculators_train.osd.ingest import IngestStats, LogIngestor, Redactor
+from speculators_train.recipe import Recipe
+from speculators_train.target import Target, load_target
+from speculators_train.training import checkpoint as ckpt
+from speculators_train.training.data import collate
+from speculators_train.training.ttt import TargetHead, summarize, ttt_loss
+
+log = logging.getLogger(__name__)
+Sample = dict[str, torch.Tensor]
+
+
+@dataclass
+class Scored:
+    id: str
+    sample: Sample
+    acceptance: float  # teacher-forced AL(K) of the current draft on this record
+    rejected: float  # share of scored positions whose first draft token is wrong: the buffer's priority
+
+
+class Buffer:
+    """At most `capacity` records, favouring those where the draft was rejected most: when full, a new record
+    replaces the most-accepted one only if it was rejected more. Batches are drawn in proportion to rejection."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.items: list[Scored] = []
+
+    def add(self, item: Scored) -> bool:
+        if len(self.items) < self.capacity:
+            self.items.append(item)
+            return True
+        easiest = min(range(len(self.items)), key=lambda i: self.items[i].rejected)
+        if item.rejected <= self.items[easiest].rejected:
+            return False
+        self.items[easiest] = item
+        return True
+
+    def batch(self, size: int, rng: random.Random) -> list[Sample]:
+        weights = [item.rejected + 0.05 for item in self.items]  # a fully accepted record keeps a small chance
+        return [item.sample for item in rng.choices(self.items, weights=weights, k=min(size, len(self.items)))]
+
+
+def acceptance(draft: Eagle3Draft, head: TargetHead, samples: list[Sample], k: int, batch_size: int = 4) -> float:
+    """Teacher-forced AL(k) over samples (positions pooled)."""
+    sums: dict[str, float] = {}
+    with torch.no_grad():
+        for start in range(0, len(samples), batch_size):
+            _, metrics = ttt_loss(draft, collate(samples[start : start + batch_size]), head, k, 1.0)
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+    return summarize(sums, k, k)[f"predicted_al_{k}"] if sums else 1.0
+
+
+def score(draft: Eagle3Draft, head: TargetHead, record_id: str, sample: Sample, k: int) -> Scored:
+    with torch.no_grad():
+        _, metrics = ttt_loss(draft, collate([sample]), head, k, 1.0)
+    sums = {key: float(v) for key, v in metrics.items()}
+    summary = summarize(sums, k, k)
+    return Scored(record_id, sample, summary[f"predicted_al_{k}"], 1.0 - summary["full_acc_0"])
+
+
+def gate(
+    candidate: tuple[float, float], current: tuple[float, float], margin: float, min_gain: float
+) -> tuple[bool, str]:
+    """(promote?, why) from (log-slice AL, general AL) of the candidate and of the reference: the current version's
+    log-slice AL, and the general AL of the first deployed version."""
+    (log_new, general_new), (log_old, general_old) = candidate, current
+    if log_new <= log_old + min_gain:  # "beats": strictly
+        return False, f"log-slice AL {log_new:.3f} does not beat the current {log_old:.3f} by {min_gain:g}"
+    if general_new < general_old - margin:
+        return False, f"general AL {general_new:.3f} lost more than {margin:g} from the deployed {general_old:.3f}"
+    return True, f"log-slice AL {log_old:.3f} -> {log_new:.3f}, general {general_old:.3f} -> {general_new:.3f}"
+
+
+class OnlineDistiller:
+    def __init__(self, recipe: Recipe, logs: Path, target: Target | None = None) -> None:
+        self.recipe, self.cfg = recipe, recipe.osd
+        self.root = recipe.run_dir / "osd"
+        self.target = target or load_target(recipe.target)
+        redact = Redactor(self.cfg.redact, self.cfg.redact_builtin, self.cfg.redact_hook)
+        self.ingestor = LogIngestor(logs, self.root / "ingest", redact, self.cfg.commit_every)
+        self.k = recipe.eval.num_speculative_tokens
+        t = self.target
+        self.head = TargetHead(t.final_norm, t.lm_head.weight.detach()).to(next(t.model.parameters()).device)
+        progress = self.root / "progress.json"
+        self.progress = read_json(progress, "OSD progress") if progress.is_file() else None
+        self.general = self._general_samples()
+        if self.progress is None:
+            self.draft = self._initial_draft()
+            self._save_version(0, self.draft)
+            # The general suite is held to the deployed draft's level, so small losses cannot pile up over versions.
+            baseline = self._general(self.draft)
+            self.progress = {"consumed": 0, "records_seen": 0, "version": 0, "updates": 0, "general_baseline": baseline}
+            atomic_write_json(progress, self.progress)
+        else:
+            path = self.root / "versions" / f"v{self.progress['version']:04d}" / "checkpoint"
+            self.draft = self.prepare(ckpt.load_draft(path), path)
+        self.held_out: list[Sample] = []
+        self.buffer = Buffer(self.cfg.buffer_size)
+        self.rng = random.Random(recipe.seed)
+        self.last_ingest: IngestStats | None = None
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        """After a restart: the held-out log slice and the buffer from the entries already consumed (the buffer
+        from the latest `buffer_size` training records, scored by the current version)."""
+        consumed = [e for e in self.ingestor.entries() if "messages" in e][: self.progress["consumed"]]
+        held = [e for e in consumed if is_held_out(e["id"], self.cfg.held_out_fraction)]
+        train = [e for e in consumed if not is_held_out(e["id"], self.cfg.held_out_fraction)]
+        self._take(held[: self.cfg.held_out_records] + train[-self.cfg.buffer_size :])
+
+    def prepare(self, draft: Eagle3Draft, path: Path, has_embedding: bool = False) -> Eagle3Draft:
+        t = self.target
+        check_fits(path, draft.config, t.hidden_size, t.vocab_size, t.num_layers)
+        t.aux_layer_ids = list(draft.config.aux_layer_ids)
+        fill_embedding(draft, has_embedding, t.embed_tokens.weight)
+        return draft.to(next(t.model.parameters()).device).train(False)
+
+    def _initial_draft(self) -> Eagle3Draft:
+        if not self.cfg.init_from:
+            raise UserError(f"{self.recipe.source_path}: osd.init_from must name the draft to adapt (a checkpoint)")
+        path = self.recipe.resolve_path(self.cfg.init_from, "osd.init_from", directory=True)
+        draft, has_embedding, read = load_any_draft(path, self.target.num_layers)
+        if not isinstance(draft, Eagle3Draft):
+            raise UserError(f"{read}: online distillation adapts EAGLE-3 drafts")
+        return self.prepare(draft, read, has_embedding)
+
+    def _general_samples(self) -> list[Sample]:
+        """The recipe's held-out chat records: the suite a new version must not get worse on."""
+        records = load_splits(self.recipe).held_out[: self.cfg.general_records]
+        return process_chunk(self.recipe, self.target, records, self.recipe.seed).samples
+
+    def _save_version(self, version: int, draft: Eagle3Draft) -> Path:
+        """versions/vNNNN/{checkpoint, speculators}, then `current` re-pointed atomically."""
+        from speculators_train.export.run import export
+
+        directory = self.root / "versions" / f"v{version:04d}"
+        shutil.rmtree(directory, ignore_errors=True)  # a half-written one from a killed run
+        checkpoint = ckpt.save_checkpoint(directory / "checkpoints", 0, draft, None, {"step": 0}, keep_last=1)
+        final = directory / "checkpoint"
+        os.replace(checkpoint, final)
+        shutil.rmtree(directory / "checkpoints", ignore_errors=True)
+        export(self.recipe, final, "speculators", directory / "speculators", force=True)
+        link = self.root / f".current-{os.getpid()}"
+        link.unlink(missing_ok=True)
+        link.symlink_to(Path("versions") / directory.name)
+        os.replace(link, self.root / "current")
+        return directory
+
+    def run(self) -> list[dict[str, Any]]:
+        """Ingest what is new; score and buffer each full window of `update_interval` records and distil after it.
+        A partial window waits for more traffic (it is read again next time, never counted twice)."""
+        self.last_ingest = self.ingestor.run()
+        entries = [e for e in self.ingestor.entries() if "messages" in e][self.progress["consumed"] :]
+        size = self.cfg.update_interval
+        history = [self._window(entries[i : i + size]) for i in range(0, len(entries) - size + 1, size)]
+        if history:
+            plot(self.root / "history.jsonl", self.root / "acceptance.png")
+        return history
+
+    def _take(self, entries: list[dict[str, Any]]) -> list[float]:
+        """Held-out records join the log slice (up to its cap); the others are scored and offered to the buffer.
+        Returns the training records' acceptance lengths."""
+        conversations = [Conversation(e["id"], tuple(e["messages"]), e["origin"]) for e in entries]
+        accepted = []
+        for sample in process_chunk(self.recipe, self.target, conversations, self.recipe.seed).samples:
+            if is_held_out(sample["id"], self.cfg.held_out_fraction):
+                if len(self.held_out) < self.cfg.held_out_records:
+                    self.held_out.append(sample)
+                continue
+            scored = score(self.draft, self.head, sample["id"], sample, self.k)
+            accepted.append(scored.acceptance)
+            self.buffer.add(scored)
+        return accepted
+
+    def _window(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        """Score a window of traffic under the current version, distil, gate; then commit the progress."""
+        accepted = self._take(entries)
+        record: dict[str, Any] = {
+            "records_seen": self.progress["records_seen"] + len(entries),
+            "window_records": len(entries),
+            "window_al": sum(accepted) / len(accepted) if accepted else None,
+            "version": self.progress["version"],
+        }
+        if self.buffer.items and self.held_out:
+            record.update(self._update())
+        self.progress["consumed"] += len(entries)
+        self.progress["records_seen"] = record["records_seen"]
+        atomic_write_json(self.root / "progress.json", self.progress)
+        with open(self.root / "history.jsonl", "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        return record
+
+    def _update(self) -> dict[str, Any]:
+        cfg = self.cfg
+        candidate = copy.deepcopy(self.draft).train()
+        params = candidate.trainable_parameters()
+        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=0.0)
+        steps = self.recipe.eagle3.ttt_steps
+        for _ in range(cfg.steps_per_update):
+            batch = collate(self.buffer.batch(cfg.batch_size, self.rng))
+            loss, _ = ttt_loss(candidate, batch, self.head, steps, self.recipe.eagle3.step_decay, kind=cfg.divergence)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            optimizer.step()
+        candidate.eval()
+        old = (acceptance(self.draft, self.head, self.held_out, self.k), self._general(self.draft))
+        new = (acceptance(candidate, self.head, self.held_out, self.k), self._general(candidate))
+        baseline = (old[0], self.progress["general_baseline"])
+        promote, why = gate(new, baseline, cfg.general_margin, cfg.min_gain)
+        self.progress["updates"] += 1
+        if promote:
+            self.progress["version"] += 1
+            self._save_version(self.progress["version"], candidate)
+            self.draft = candidate
+        log.info("update %d: %s (%s)", self.progress["updates"], "promoted" if promote else "kept", why)
+        return {
+            "log_al": old[0],
+            "general_al": old[1],
+            "candidate_log_al": new[0],
+            "candidate_general_al": new[1],
+            "promoted": promote,
+            "reason": why,
+            "version_after": self.progress["version"],
+        }
+
+    def _general(self, draft: Eagle3Draft) -> float:
+        return acceptance(draft, self.head, self.general, self.k)
+
+
+def plot(history: Path, out: Path) -> None:
+    """Acceptance length vs records seen: each window's traffic under the version serving it, and each update's
+    log-slice AL before/after."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    seen = [r["records_seen"] for r in rows]
+    ax.plot(seen, [r["window_al"] for r in rows], "o-", label="traffic window (current draft)")
+    updates = [r for r in rows if "log_al" in r]
+    ax.plot([r["records_seen"] for r in updates], [r["log_al"] for r in updates], "s--", label="log slice, current")
+    at = [r["records_seen"] for r in updates]
+    ax.plot(at, [r["candidate_log_al"] for r in updates], "^:", label="log slice, candidate")
+    ax.plot(at, [r["general_al"] for r in updates], "x-.", label="general, current")
+    for r in updates:
+        if r["promoted"]:
+            ax.axvline(r["records_seen"], color="grey", alpha=0.3)
+    ax.set_xlabel("log records seen")
+    ax.set_ylabel("acceptance length (teacher-forced)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, out)

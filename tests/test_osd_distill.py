@@ -1,0 +1,117 @@
+"""Online distillation with the real SmolLM2 target on real ShareGPT traffic written as production logs: a draft
+is scored, distilled on the records it fails, and promoted (exported, `current` re-pointed) only when the gate
+says it is better; a worse candidate is refused and the reason recorded; a rerun resumes where it stopped."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from speculators_train.data.conversations import SkipReport
+from speculators_train.data.mix import load_mix_config, read_source
+from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
+from speculators_train.models.vocab import build_vocab_mapping
+from speculators_train.osd.distill import Buffer, OnlineDistiller, Scored, gate
+from speculators_train.recipe import load_recipe
+from speculators_train.training.checkpoint import save_checkpoint
+
+from .conftest import SHAREGPT, make_recipe
+
+pytestmark = pytest.mark.slow
+
+
+def test_gate_promotes_only_a_gain_on_logs_without_a_loss_on_the_general_suite():
+    assert gate((1.30, 1.20), (1.20, 1.21), margin=0.02, min_gain=0.0)[0]
+    refused, why = gate((1.19, 1.30), (1.20, 1.20), margin=0.02, min_gain=0.0)
+    assert not refused and "log-slice AL 1.190 does not beat the current 1.200" in why
+    refused, why = gate((1.40, 1.15), (1.20, 1.20), margin=0.02, min_gain=0.0)
+    assert not refused and "general AL 1.150 lost more than 0.02 from the deployed 1.200" in why
+    assert not gate((1.205, 1.2), (1.2, 1.2), margin=0.02, min_gain=0.01)[0]
+    assert not gate((1.2, 1.2), (1.2, 1.2), margin=0.02, min_gain=0.0)[0]  # a tie is not a gain
+
+
+def test_buffer_keeps_the_records_the_draft_failed_on():
+    buffer = Buffer(2)
+    for name, rejected in (("a", 0.1), ("b", 0.9), ("c", 0.5), ("d", 0.05)):
+        buffer.add(Scored(name, {}, 1.0, rejected))
+    assert sorted(item.id for item in buffer.items) == ["b", "c"]
+
+
+def log_lines(tmp_path, n: int, skip: int = 0) -> list[str]:
+    """ShareGPT first turns written as OpenAI chat logs."""
+    mix_path = tmp_path / "logs-mix.yaml"
+    source = {"name": "logs", "path": SHAREGPT, "max_records": 200}
+    mix_path.write_text(yaml.safe_dump({"seed": 0, "sources": [source]}))
+    mix = load_mix_config(mix_path)
+    out = []
+    for conv in read_source(mix, mix.sources[0], SkipReport()):
+        user, reply = conv.messages[0], conv.messages[1]
+        if user["role"] == "user" and reply["role"] == "assistant" and len(user["content"]) < 400:
+            out.append(json.dumps({"id": conv.id, "messages": [user], "response": reply["content"][:400]}))
+        if len(out) == skip + n:
+            return out[skip:]
+    raise AssertionError("not enough records")
+
+
+@pytest.fixture
+def setup(tmp_path, target):
+    torch.manual_seed(0)
+    config = Eagle3Config.for_target(target.config, target.aux_layer_ids, 2048, False)
+    draft = Eagle3Draft(config)
+    freq = torch.zeros(target.vocab_size)
+    freq[:2048] = 1
+    d2t, t2d = build_vocab_mapping(freq, 2048)
+    with torch.no_grad():
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+    init = save_checkpoint(tmp_path / "init", 1, draft, None, {"step": 1}, keep_last=1)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "day1.jsonl").write_text("\n".join(log_lines(tmp_path, 40)) + "\n")
+    osd = {
+        "init_from": str(init),
+        "update_interval": 20,
+        "steps_per_update": 15,
+        "learning_rate": 2e-3,
+        "held_out_fraction": 0.25,
+        "general_records": 4,
+        "buffer_size": 12,
+    }
+    recipe = make_recipe(
+        tmp_path,
+        [{"name": "sharegpt", "path": SHAREGPT, "max_records": 30}],
+        osd=osd,
+        eagle3={"ttt_steps": 3},
+        eval={"num_speculative_tokens": 3},
+    )
+    return load_recipe(recipe), logs
+
+
+def test_distillation_promotes_a_better_draft_refuses_a_worse_one_and_resumes(tmp_path, setup, target):
+    recipe, logs = setup
+    root = recipe.run_dir / "osd"
+    history = OnlineDistiller(recipe, logs, target).run()
+    assert [r["records_seen"] for r in history] == [20, 40]  # two full windows of update_interval records
+    first = history[0]
+    # A random draft accepts nothing; a few steps on the traffic it failed on must beat it on unseen log records.
+    assert first["promoted"], first["reason"]
+    assert first["candidate_log_al"] > first["log_al"] and first["version"] == 0
+    assert (root / "current").resolve() == (root / "versions" / f"v{history[-1]['version_after']:04d}").resolve()
+    config = json.loads((root / "current" / "speculators" / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert (root / "acceptance.png").stat().st_size > 10_000
+    assert len((root / "history.jsonl").read_text().splitlines()) == 2
+    version = history[-1]["version_after"]
+
+    # Resume: nothing new, nothing redone; then a worse candidate (a learning rate that wrecks it) is refused.
+    again = OnlineDistiller(recipe, logs, target)
+    assert again.progress["consumed"] == 40 and again.run() == []
+    with open(logs / "day1.jsonl", "a") as fh:
+        fh.write("\n".join(log_lines(tmp_path, 20, skip=40)) + "\n")
+    again.cfg.learning_rate = 3.0
+    (refused,) = again.run()
+    assert not refused["promoted"] and "does not beat the current" in refused["reason"]
+    assert refused["version_after"] == version
+    assert (root / "current").resolve() == (root / "versions" / f"v{version:04d}").resolve()
+    assert json.loads((root / "history.jsonl").read_text().splitlines()[-1])["reason"] == refused["reason"]
