@@ -5,18 +5,16 @@ says it is better; a worse candidate is refused and the reason recorded; a rerun
 import json
 
 import pytest
-import torch
 import yaml
 
 from speculators_train.data.conversations import SkipReport
 from speculators_train.data.mix import load_mix_config, read_source
-from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
-from speculators_train.models.vocab import build_vocab_mapping
 from speculators_train.osd.distill import Buffer, OnlineDistiller, Scored, gate
 from speculators_train.recipe import load_recipe
 from speculators_train.training.checkpoint import save_checkpoint
 
 from .conftest import SHAREGPT, make_recipe
+from .test_verify import random_draft  # noqa: F401  (fixture: the real architecture, random weights)
 
 pytestmark = pytest.mark.slow
 
@@ -55,17 +53,8 @@ def log_lines(tmp_path, n: int, skip: int = 0) -> list[str]:
 
 
 @pytest.fixture
-def setup(tmp_path, target):
-    torch.manual_seed(0)
-    config = Eagle3Config.for_target(target.config, target.aux_layer_ids, 2048, False)
-    draft = Eagle3Draft(config)
-    freq = torch.zeros(target.vocab_size)
-    freq[:2048] = 1
-    d2t, t2d = build_vocab_mapping(freq, 2048)
-    with torch.no_grad():
-        draft.d2t.copy_(d2t)
-        draft.t2d.copy_(t2d)
-    init = save_checkpoint(tmp_path / "init", 1, draft, None, {"step": 1}, keep_last=1)
+def setup(tmp_path, random_draft):  # noqa: F811
+    init = save_checkpoint(tmp_path / "init", 1, random_draft, None, {"step": 1}, keep_last=1)
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "day1.jsonl").write_text("\n".join(log_lines(tmp_path, 40)) + "\n")

@@ -21,7 +21,7 @@ import torch
 import transformers
 
 from speculators_train.errors import UserError
-from speculators_train.export.speculators import SPECULATORS_VERSION, read_weights
+from speculators_train.export.speculators import SPECULATORS_VERSION, proposal_config, read_weights
 from speculators_train.files import read_json
 from speculators_train.models.medusa import MedusaConfig, MedusaDraft
 from speculators_train.models.vocab import draft_to_target
@@ -43,19 +43,9 @@ def medusa_config(
         "target_num_layers": config.target_num_layers,
         "speculators_model_type": "medusa",
         "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": {
-            "algorithm": "medusa",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": min(speculative_tokens, config.num_heads),
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
-        },
+        "speculators_config": proposal_config(
+            "medusa", min(speculative_tokens, config.num_heads), verifier, verifier_architectures
+        ),
         "dtype": dtype,
         "transformers_version": transformers.__version__,
     }

@@ -38,6 +38,25 @@ def layer_config(config: Eagle3Config) -> dict[str, Any]:
     return layer
 
 
+def proposal_config(
+    algorithm: str, speculative_tokens: int, verifier: str, verifier_architectures: list[str]
+) -> dict[str, Any]:
+    """The `speculators_config` block: the algorithm, one greedy proposal method, and the verifier."""
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [
+            {
+                "proposal_type": "greedy",
+                "speculative_tokens": speculative_tokens,
+                "verifier_accept_k": 1,
+                "accept_tolerance": 0.0,
+            }
+        ],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
+    }
+
+
 def speculators_config(
     config: Eagle3Config, verifier: str, verifier_architectures: list[str], speculative_tokens: int, dtype: str
 ) -> dict[str, Any]:
@@ -56,19 +75,7 @@ def speculators_config(
         "fc_norm": False,
         "norm_output": False,
         "embed_requires_grad": False,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": speculative_tokens,
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
-        },
+        "speculators_config": proposal_config("eagle3", speculative_tokens, verifier, verifier_architectures),
         "dtype": dtype,
         "transformers_version": transformers.__version__,
     }
