@@ -140,8 +140,9 @@ class TargetSampler:
 
     state = "aux"
 
-    def __init__(self, target, prompt):
+    def __init__(self, target, prompt, memo=None):
         self.target, self.seq = target, list(prompt[:1])
+        self.memo = {} if memo is None else memo  # prefix -> logits, shared across seeds (the same every run)
 
     def reset(self):
         self.seq = self.seq[:1]
@@ -152,9 +153,10 @@ class TargetSampler:
     def propose_chain(self, k, sampling, generator):
         seq, tokens, qs = list(self.seq), [], []
         for _ in range(k):
-            with torch.no_grad():
-                logits = self.target.model(torch.tensor([seq])).logits[0, -1]
-            q = torch.softmax(logits / 1.6, dim=-1)
+            if tuple(seq) not in self.memo:
+                with torch.no_grad():
+                    self.memo[tuple(seq)] = self.target.model(torch.tensor([seq])).logits[0, -1]
+            q = torch.softmax(self.memo[tuple(seq)] / 1.6, dim=-1)
             token = int(torch.multinomial(q, 1, generator=generator))
             tokens.append(token)
             qs.append(q)
@@ -170,10 +172,10 @@ def test_sampled_first_and_second_tokens_follow_the_target(target):
     first token (a correction, or the bonus) match the target's exact distributions within 4x sampling noise."""
     prompt = chat(target, "Count from 1 to 10, separated by commas.")
     runs = 300
-    out = []
+    out, memo = [], {}
     for seed in range(runs):
         g = torch.Generator().manual_seed(seed)
-        decoder = SpeculativeDecoder(target, TargetSampler(target, prompt), Sampling(1.0), 1)
+        decoder = SpeculativeDecoder(target, TargetSampler(target, prompt, memo), Sampling(1.0), 1)
         out.append(decoder.generate(prompt, 2, set(), g))
     accepted = sum(sum(r.accepted) for r in out)
     assert 0 < accepted < sum(len(r.accepted) for r in out), "drafts must be both accepted and rejected"
