@@ -5,6 +5,7 @@ says it is better; a worse candidate is refused and the reason recorded; a rerun
 import json
 
 import pytest
+import torch
 import yaml
 
 from speculators_train.data.conversations import SkipReport
@@ -104,3 +105,24 @@ def test_distillation_promotes_a_better_draft_refuses_a_worse_one_and_resumes(tm
     assert refused["version_after"] == version
     assert (root / "current").resolve() == (root / "versions" / f"v{version:04d}").resolve()
     assert json.loads((root / "history.jsonl").read_text().splitlines()[-1])["reason"] == refused["reason"]
+
+
+def test_the_general_suite_is_captured_at_the_layers_the_adapted_draft_reads(tmp_path, target):
+    from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
+
+    saved = list(target.aux_layer_ids)
+    draft = Eagle3Draft(Eagle3Config.for_target(target.config, [1, 10, 20], 256, False))
+    init = save_checkpoint(tmp_path / "init", 1, draft, None, {"step": 1}, keep_last=1)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 30}]
+    recipe = load_recipe(make_recipe(tmp_path, sources, osd={"init_from": str(init), "general_records": 2}))
+    try:
+        distiller = OnlineDistiller(recipe, logs, target)
+        sample = distiller.general[0]
+        target.aux_layer_ids = [1, 10, 20]
+        ids = sample["input_ids"][None]
+        aux, _ = target.hidden_states(ids, torch.ones_like(ids))
+        torch.testing.assert_close(sample["aux_hidden_states"].float(), aux[0], rtol=1e-4, atol=1e-4)
+    finally:
+        target.aux_layer_ids = saved

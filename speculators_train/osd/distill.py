@@ -121,17 +121,18 @@ class OnlineDistiller:
         self.head = TargetHead(t.final_norm, t.lm_head.weight.detach()).to(next(t.model.parameters()).device)
         progress = self.root / "progress.json"
         self.progress = read_json(progress, "OSD progress") if progress.is_file() else None
-        self.general = self._general_samples()
         if self.progress is None:
             self.draft = self._initial_draft()
+        else:
+            path = self.root / "versions" / f"v{self.progress['version']:04d}" / "checkpoint"
+            self.draft = self.prepare(ckpt.load_draft(path), path)
+        self.general = self._general_samples()  # after `prepare` set the aux layers this draft reads
+        if self.progress is None:
             self._save_version(0, self.draft)
             # The general suite is held to the deployed draft's level, so small losses cannot pile up over versions.
             baseline = self._general(self.draft)
             self.progress = {"consumed": 0, "records_seen": 0, "version": 0, "updates": 0, "general_baseline": baseline}
             atomic_write_json(progress, self.progress)
-        else:
-            path = self.root / "versions" / f"v{self.progress['version']:04d}" / "checkpoint"
-            self.draft = self.prepare(ckpt.load_draft(path), path)
         self.held_out: list[Sample] = []
         self.buffer = Buffer(self.cfg.buffer_size)
         self.rng = random.Random(recipe.seed)
