@@ -74,6 +74,7 @@ def setup(tmp_path, random_draft):  # noqa: F811
         osd=osd,
         eagle3={"ttt_steps": 3},
         eval={"num_speculative_tokens": 3},
+        training={"wandb": {"mode": "offline"}},
     )
     return load_recipe(recipe), logs
 
@@ -92,6 +93,8 @@ def test_distillation_promotes_a_better_draft_refuses_a_worse_one_and_resumes(tm
     assert config["speculators_model_type"] == "eagle3"
     assert (root / "acceptance.png").stat().st_size > 10_000
     assert len((root / "history.jsonl").read_text().splitlines()) == 2
+    (tracked,) = (root / "wandb").glob("offline-run-*/run-test-osd.wandb")
+    assert b"candidate_log_al" in tracked.read_bytes()
     version = history[-1]["version_after"]
 
     # Resume: nothing new, nothing redone; then a worse candidate (a learning rate that wrecks it) is refused.

@@ -7,6 +7,7 @@ where it fails, distil on them, and promote a new version only when it measurabl
     <run dir>/osd/current -> versions/vNNNN     replaced atomically on promotion
     <run dir>/osd/history.jsonl         one line per update: acceptance before/after, promoted or why not
     <run dir>/osd/acceptance.png        acceptance length vs records seen
+    <run dir>/osd/wandb/                the same metrics per window (training.wandb settings; offline by default)
 
 Acceptance is scored teacher-forced on the target's own states, as training predicts it: chain j accepts at least
 i+1 drafts iff draft steps 0..i all give the target's greedy token, so AL(K) = 1 + sum_i full_acc_i (the greedy
@@ -191,10 +192,38 @@ class OnlineDistiller:
         self.last_ingest = self.ingestor.run()
         entries = [e for e in self.ingestor.entries() if "messages" in e][self.progress["consumed"] :]
         size = self.cfg.update_interval
-        history = [self._window(entries[i : i + size]) for i in range(0, len(entries) - size + 1, size)]
-        if history:
-            plot(self.root / "history.jsonl", self.root / "acceptance.png")
+        windows = range(0, len(entries) - size + 1, size)
+        if not windows:
+            return []
+        tracker = self._tracker()
+        history = []
+        for start in windows:
+            history.append(self._window(entries[start : start + size]))
+            if tracker is not None:
+                numbers = {k: v for k, v in history[-1].items() if isinstance(v, int | float)}
+                tracker.log(numbers, step=history[-1]["records_seen"])
+        if tracker is not None:
+            tracker.finish()
+        plot(self.root / "history.jsonl", self.root / "acceptance.png")
         return history
+
+    def _tracker(self):
+        """One wandb run per OSD directory, resumed across invocations: metrics per window of traffic."""
+        cfg = self.recipe.training.wandb
+        if cfg.mode == "disabled":
+            return None
+        import wandb
+
+        return wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            name=f"{cfg.run_name or self.recipe.name}-osd",
+            id=f"{self.recipe.name}-osd",
+            mode=cfg.mode,
+            dir=str(self.root),
+            config=self.recipe.model_dump(mode="json"),
+            resume="allow",
+        )
 
     def _take(self, entries: list[dict[str, Any]]) -> list[float]:
         """Held-out records join the log slice (up to its cap); the others are scored and offered to the buffer.
