@@ -24,14 +24,12 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from speculators_train.data.conversations import Conversation
-from speculators_train.data.regenerate import regenerate
 from speculators_train.files import atomic_write_bytes
 from speculators_train.osd.distill import OnlineDistiller, acceptance
-from speculators_train.recipe import RegenerateConfig, load_recipe
+from speculators_train.recipe import load_recipe
 from speculators_train.target import load_target
 from speculators_train.training.checkpoint import load_draft
-from speculators_train.verify.suites import load_suite
+from speculators_train.verify.suites import answered, load_suite
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,16 +39,10 @@ def coding_logs(recipe, target, records: int, max_new_tokens: int, out: Path) ->
     if out.is_file():
         return
     suite = load_suite(REPO / "eval" / "suites" / "sharegpt-code.yaml", recipe, target.tokenizer, records)
-    conversations = [
-        Conversation(p.id, (*p.messages, {"role": "assistant", "content": ""}), p.id) for p in suite.prompts
-    ]
-    cfg = RegenerateConfig(enabled=True, max_new_tokens=max_new_tokens, batch_size=16)
-    answered = regenerate(conversations, target.model, target.tokenizer, cfg, recipe.data.max_length, recipe.seed)
     lines = []
-    for conv in answered:
+    for conv in answered(suite, target, recipe, max_new_tokens):
         *request, reply = conv.messages
-        if reply["role"] == "assistant" and reply["content"]:
-            lines.append(json.dumps({"id": conv.id, "messages": list(request), "response": reply["content"]}))
+        lines.append(json.dumps({"id": conv.id, "messages": list(request), "response": reply["content"]}))
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out, ("\n".join(lines) + "\n").encode())
 

@@ -230,7 +230,9 @@ class OSDConfig(Section):
     buffer_size: int = Field(128, gt=0, description="Records kept, favouring those the draft failed on.")
     held_out_fraction: float = Field(0.1, gt=0, lt=1, description="Log records kept out of training for the gate.")
     held_out_records: int = Field(64, gt=0, description="Cap on the held-out log slice.")
-    general_records: int = Field(32, gt=0, description="Records of the recipe's held-out chat split for the gate.")
+    general_records: int = Field(
+        32, gt=0, description="Prompts of the eval.suites (answered by the target, frozen) the gate holds versions to."
+    )
     min_gain: float = Field(0.0, ge=0, description="Promote only if the log-slice AL rises by more than this.")
     general_margin: float = Field(0.02, ge=0, description="Largest general-suite AL loss a promotion may cost.")
 

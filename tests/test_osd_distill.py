@@ -10,6 +10,7 @@ import yaml
 
 from speculators_train.data.conversations import SkipReport
 from speculators_train.data.mix import load_mix_config, read_source
+from speculators_train.errors import UserError
 from speculators_train.osd.distill import Buffer, OnlineDistiller, Scored, gate
 from speculators_train.recipe import load_recipe
 from speculators_train.training.checkpoint import save_checkpoint
@@ -73,7 +74,7 @@ def setup(tmp_path, random_draft):  # noqa: F811
         [{"name": "sharegpt", "path": SHAREGPT, "max_records": 30}],
         osd=osd,
         eagle3={"ttt_steps": 3},
-        eval={"num_speculative_tokens": 3},
+        eval={"num_speculative_tokens": 3, "max_new_tokens": 24},
         training={"wandb": {"mode": "offline"}},
     )
     return load_recipe(recipe), logs
@@ -106,6 +107,12 @@ def test_distillation_promotes_a_better_draft_refuses_a_worse_one_and_resumes(tm
     (refused,) = again.run()
     assert not refused["promoted"] and "does not beat the current" in refused["reason"]
     assert refused["version_after"] == version
+
+    # The general suite was frozen with the first run; a recipe that now asks for another one cannot silently
+    # compare new versions against a baseline measured on the old one.
+    recipe.osd.general_records = 3
+    with pytest.raises(UserError, match=r"general\.json: frozen from eval.suites .* x 4 records"):
+        OnlineDistiller(recipe, logs, target)
     assert (root / "current").resolve() == (root / "versions" / f"v{version:04d}").resolve()
     assert json.loads((root / "history.jsonl").read_text().splitlines()[-1])["reason"] == refused["reason"]
 
@@ -119,7 +126,9 @@ def test_the_general_suite_is_captured_at_the_layers_the_adapted_draft_reads(tmp
     logs = tmp_path / "logs"
     logs.mkdir()
     sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 30}]
-    recipe = load_recipe(make_recipe(tmp_path, sources, osd={"init_from": str(init), "general_records": 2}))
+    recipe = load_recipe(
+        make_recipe(tmp_path, sources, osd={"init_from": str(init), "general_records": 2}, eval={"max_new_tokens": 16})
+    )
     try:
         distiller = OnlineDistiller(recipe, logs, target)
         sample = distiller.general[0]

@@ -2,6 +2,7 @@
 where it fails, distil on them, and promote a new version only when it measurably helps.
 
     <run dir>/osd/ingest/...            exactly-once log ingestion (osd/ingest.py)
+    <run dir>/osd/general.json          the general suite every version is held to (eval.suites, target-answered)
     <run dir>/osd/progress.json         entries consumed, records seen, current version (the commit point)
     <run dir>/osd/versions/vNNNN/       checkpoint/ (ours) and speculators/ (`vllm serve` it)
     <run dir>/osd/current -> versions/vNNNN     replaced atomically on promotion
@@ -34,7 +35,7 @@ from speculators_train.data.mix import is_held_out
 from speculators_train.errors import UserError
 from speculators_train.export.drafts import check_fits, fill_embedding, load_any_draft
 from speculators_train.files import atomic_write_json, read_json
-from speculators_train.hidden_states.generator import load_splits, process_chunk
+from speculators_train.hidden_states.generator import process_chunk
 from speculators_train.models.eagle3 import Eagle3Draft
 from speculators_train.osd.ingest import IngestStats, LogIngestor, Redactor
 from speculators_train.recipe import Recipe
@@ -42,6 +43,7 @@ from speculators_train.target import Target, load_target
 from speculators_train.training import checkpoint as ckpt
 from speculators_train.training.data import collate
 from speculators_train.training.ttt import TargetHead, summarize, ttt_loss
+from speculators_train.verify.suites import answered, load_suite
 
 log = logging.getLogger(__name__)
 Sample = dict[str, torch.Tensor]
@@ -165,9 +167,32 @@ class OnlineDistiller:
         return self.prepare(draft, read, has_embedding)
 
     def _general_samples(self) -> list[Sample]:
-        """The recipe's held-out chat records: the suite a new version must not get worse on."""
-        records = load_splits(self.recipe).held_out[: self.cfg.general_records]
-        return process_chunk(self.recipe, self.target, records, self.recipe.seed).samples
+        """The verify suites (`eval.suites`), answered greedily by the target once and frozen in osd/general.json:
+        every version is held to the same text, on which teacher-forced AL is the verify loop's greedy AL."""
+        path = self.root / "general.json"
+        frozen = {"suites": list(self.recipe.eval.suites), "records": self.cfg.general_records}
+        if path.is_file():
+            stored = read_json(path, "OSD general suite")
+            if {key: stored.get(key) for key in frozen} != frozen:
+                raise UserError(
+                    f"{path}: frozen from eval.suites {stored.get('suites')} x {stored.get('records')} records, but "
+                    f"{self.recipe.source_path} now asks for {frozen['suites']} x {frozen['records']}: the gate's "
+                    "baseline was measured on the old suite; restore those settings or use a new output_dir"
+                )
+        else:
+            suites = self.recipe.eval.suites
+            per_suite = -(-self.cfg.general_records // len(suites))
+            conversations: list[Conversation] = []
+            for name in suites:
+                where = self.recipe.resolve_path(name, "eval.suites")
+                suite = load_suite(where, self.recipe, self.target.tokenizer, per_suite)
+                conversations += answered(suite, self.target, self.recipe)
+            records = [{"id": c.id, "messages": list(c.messages)} for c in conversations[: self.cfg.general_records]]
+            stored = {**frozen, "conversations": records}
+            self.root.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(path, stored)
+        conversations = [Conversation(r["id"], tuple(r["messages"]), "general") for r in stored["conversations"]]
+        return process_chunk(self.recipe, self.target, conversations, self.recipe.seed).samples
 
     def _save_version(self, version: int, draft: Eagle3Draft) -> Path:
         """versions/vNNNN/{checkpoint, speculators}, then `current` re-pointed atomically."""

@@ -16,8 +16,9 @@ from pydantic import Field, field_validator
 
 from speculators_train.data.conversations import Conversation, SkipReport
 from speculators_train.data.mix import load_mix
+from speculators_train.data.regenerate import regenerate
 from speculators_train.errors import UserError
-from speculators_train.recipe import Recipe, Section, load_yaml_model
+from speculators_train.recipe import Recipe, RegenerateConfig, Section, load_yaml_model
 
 
 class SuiteConfig(Section):
@@ -106,3 +107,13 @@ def load_suite(path: Path, recipe: Recipe, tokenizer, num_prompts: int | None = 
             + "; ".join(skips.lines())
         )
     return Suite(cfg, path, prompts, skips)
+
+
+def answered(suite: Suite, target, recipe: Recipe, max_new_tokens: int | None = None) -> list[Conversation]:
+    """The suite's prompts with the target's greedy replies: on this text, teacher-forced acceptance equals the
+    greedy acceptance the verify loop measures (prompts the target answers with nothing are dropped)."""
+    length = max_new_tokens or recipe.eval.max_new_tokens or suite.config.max_new_tokens
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=length, batch_size=16)
+    todo = [Conversation(p.id, (*p.messages, {"role": "assistant", "content": ""}), p.id) for p in suite.prompts]
+    out = regenerate(todo, target.model, target.tokenizer, cfg, recipe.data.max_length, recipe.seed)
+    return [c for c in out if c.messages[-1]["role"] == "assistant" and c.messages[-1]["content"]]
