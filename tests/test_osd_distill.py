@@ -99,7 +99,11 @@ def test_distillation_promotes_a_better_draft_refuses_a_worse_one_and_resumes(tm
     version = history[-1]["version_after"]
 
     # Resume: nothing new, nothing redone; then a worse candidate (a learning rate that wrecks it) is refused.
+    # A kill between exporting a version and committing the window left `current` ahead of progress.json.
+    (root / "current").unlink()
+    (root / "current").symlink_to(f"versions/v{version + 1:04d}")
     again = OnlineDistiller(recipe, logs, target)
+    assert (root / "current").resolve() == (root / "versions" / f"v{version:04d}").resolve()
     assert again.progress["consumed"] == 40 and again.run() == []
     with open(logs / "day1.jsonl", "a") as fh:
         fh.write("\n".join(log_lines(tmp_path, 20, skip=40)) + "\n")

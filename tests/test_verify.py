@@ -1,6 +1,7 @@
 """The verify loop with the real SmolLM2 target on real prompts: exactness, cache bookkeeping, EOS/limits, scoring."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -304,3 +305,21 @@ def test_a_draft_for_another_target_or_a_suite_without_prompts_is_refused(tmp_pa
     suite.write_text("name: bad\nmatch: '(unclosed'\n")
     with pytest.raises(UserError, match=r"suite.yaml: match: .*not a valid regular expression"):
         load_suite(suite, recipe, target.tokenizer)
+
+
+def test_the_general_chat_suite_leaves_out_what_the_coding_suite_selects(tmp_path, target):
+    """sharegpt-chat gates online distillation on coding traffic: it must not hold a single coding request."""
+    import re
+
+    from speculators_train.verify.suites import load_suite
+
+    from .conftest import SHAREGPT, make_recipe
+
+    recipe = load_recipe(make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 30}]))
+    suites = Path(__file__).resolve().parents[1] / "eval" / "suites"
+    chat = load_suite(suites / "sharegpt-chat.yaml", recipe, target.tokenizer)
+    code = load_suite(suites / "sharegpt-code.yaml", recipe, target.tokenizer, 64)
+    coding = re.compile(code.config.match, re.IGNORECASE)
+    assert len(chat.prompts) == 32
+    assert not any(coding.search(m["content"]) for p in chat.prompts for m in p.messages if m["role"] == "user")
+    assert all(coding.search(next(m["content"] for m in p.messages if m["role"] == "user")) for p in code.prompts)

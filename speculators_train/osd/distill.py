@@ -129,6 +129,9 @@ class OnlineDistiller:
         else:
             path = self.root / "versions" / f"v{self.progress['version']:04d}" / "checkpoint"
             self.draft = self.prepare(ckpt.load_draft(path), path)
+            # progress.json is the commit point: a run killed after exporting a version but before committing its
+            # window left `current` ahead of it; serve the committed version again (the window is redone).
+            self._point_current(self.progress["version"])
         self.general = self._general_samples()  # after `prepare` set the aux layers this draft reads
         if self.progress is None:
             self._save_version(0, self.draft)
@@ -205,11 +208,15 @@ class OnlineDistiller:
         os.replace(checkpoint, final)
         shutil.rmtree(directory / "checkpoints", ignore_errors=True)
         export(self.recipe, final, "speculators", directory / "speculators", force=True)
+        self._point_current(version)
+        return directory
+
+    def _point_current(self, version: int) -> None:
+        """Re-point `current` atomically (a symlink renamed over the old one)."""
         link = self.root / f".current-{os.getpid()}"
         link.unlink(missing_ok=True)
-        link.symlink_to(Path("versions") / directory.name)
+        link.symlink_to(Path("versions") / f"v{version:04d}")
         os.replace(link, self.root / "current")
-        return directory
 
     def run(self) -> list[dict[str, Any]]:
         """Ingest what is new; score and buffer each full window of `update_interval` records and distil after it.

@@ -27,11 +27,12 @@ class SuiteConfig(Section):
     mix: str | None = Field(None, description="A data mix YAML; default: the recipe's own mix.")
     split: Literal["held_out", "all"] = Field("held_out", description="Which split of that mix to read.")
     match: str | None = Field(None, description="Regex the first user message must match (case-insensitive).")
+    exclude: str | None = Field(None, description="Regex the first user message must not match (case-insensitive).")
     num_prompts: int = Field(20, gt=0)
     max_new_tokens: int = Field(128, gt=0)
     max_prompt_tokens: int = Field(1024, gt=1, description="Longer prompts are skipped and counted.")
 
-    @field_validator("match")
+    @field_validator("match", "exclude")
     @classmethod
     def _regex(cls, value: str | None) -> str | None:
         if value is not None:
@@ -78,6 +79,7 @@ def load_suite(path: Path, recipe: Recipe, tokenizer, num_prompts: int | None = 
         train_ids = {c.id for c in load_mix(recipe_mix, recipe.data.held_out_fraction).train}
     pool = splits.held_out if cfg.split == "held_out" else [*splits.train, *splits.held_out]
     pattern = re.compile(cfg.match, re.IGNORECASE) if cfg.match else None
+    exclude = re.compile(cfg.exclude, re.IGNORECASE) if cfg.exclude else None
     wanted = num_prompts or cfg.num_prompts
     skips = SkipReport()
     prompts: list[Prompt] = []
@@ -94,6 +96,8 @@ def load_suite(path: Path, recipe: Recipe, tokenizer, num_prompts: int | None = 
         first_user = next(m["content"] for m in messages if m["role"] == "user")
         if pattern is not None and not pattern.search(first_user):
             continue
+        if exclude is not None and exclude.search(first_user):
+            continue
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         if len(ids) > cfg.max_prompt_tokens:
@@ -103,8 +107,8 @@ def load_suite(path: Path, recipe: Recipe, tokenizer, num_prompts: int | None = 
     if not prompts:
         raise UserError(
             f"{path}: suite {cfg.name!r} found no prompts ({cfg.split} split of "
-            f"{cfg.mix or recipe.data.mix}{', matching ' + repr(cfg.match) if cfg.match else ''}); "
-            + "; ".join(skips.lines())
+            f"{cfg.mix or recipe.data.mix}{', matching ' + repr(cfg.match) if cfg.match else ''}"
+            f"{', not matching ' + repr(cfg.exclude) if cfg.exclude else ''}); " + "; ".join(skips.lines())
         )
     return Suite(cfg, path, prompts, skips)
 
