@@ -40,6 +40,7 @@ from speculators_train.models.eagle3 import Eagle3Draft
 from speculators_train.osd.ingest import IngestStats, LogIngestor, Redactor
 from speculators_train.recipe import Recipe
 from speculators_train.target import Target, load_target
+from speculators_train.tracking import init_wandb
 from speculators_train.training import checkpoint as ckpt
 from speculators_train.training.data import collate
 from speculators_train.training.ttt import TargetHead, summarize, ttt_loss
@@ -227,7 +228,7 @@ class OnlineDistiller:
         windows = range(0, len(entries) - size + 1, size)
         if not windows:
             return []
-        tracker = self._tracker()
+        tracker = init_wandb(self.recipe, self.root, "-osd", f"{self.recipe.name}-osd")  # resumed across runs
         history = []
         for start in windows:
             history.append(self._window(entries[start : start + size]))
@@ -238,24 +239,6 @@ class OnlineDistiller:
             tracker.finish()
         plot(self.root / "history.jsonl", self.root / "acceptance.png")
         return history
-
-    def _tracker(self):
-        """One wandb run per OSD directory, resumed across invocations: metrics per window of traffic."""
-        cfg = self.recipe.training.wandb
-        if cfg.mode == "disabled":
-            return None
-        import wandb
-
-        return wandb.init(
-            project=cfg.project,
-            entity=cfg.entity,
-            name=f"{cfg.run_name or self.recipe.name}-osd",
-            id=f"{self.recipe.name}-osd",
-            mode=cfg.mode,
-            dir=str(self.root),
-            config=self.recipe.model_dump(mode="json"),
-            resume="allow",
-        )
 
     def _take(self, entries: list[dict[str, Any]]) -> list[float]:
         """Held-out records join the log slice (up to its cap); the others are scored and offered to the buffer.

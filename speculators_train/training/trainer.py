@@ -27,6 +27,7 @@ from speculators_train.models.vocab import build_vocab_mapping, draft_to_target
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
 from speculators_train.target import load_head_weights, load_target
+from speculators_train.tracking import init_wandb
 from speculators_train.training import checkpoint as ckpt
 from speculators_train.training import zero
 from speculators_train.training.data import collate
@@ -381,18 +382,4 @@ class Trainer:
         return metrics
 
     def _init_wandb(self):
-        cfg = self.cfg.wandb
-        if cfg.mode == "disabled" or not self.acc.is_main_process:
-            return None
-        import wandb
-
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        return wandb.init(
-            project=cfg.project,
-            entity=cfg.entity,
-            name=cfg.run_name or self.recipe.name,
-            mode=cfg.mode,
-            dir=str(self.run_dir),
-            config=self.recipe.model_dump(mode="json"),
-            resume="allow",
-        )
+        return init_wandb(self.recipe, self.run_dir) if self.acc.is_main_process else None
