@@ -98,6 +98,13 @@ class RegenerateConfig(Section):
     batch_size: int = Field(16, gt=0)
     max_turns: int | None = Field(None, gt=0, description="Keep only the first N exchanges of each conversation.")
 
+    @classmethod
+    def identity(cls, settings: dict[str, Any]) -> dict[str, Any]:
+        """What decides the stored text: nothing but `enabled` when off, and a stored dict written before a
+        setting existed reads as that setting's default, so adding an option never invalidates old outputs."""
+        config = cls.model_validate(settings)
+        return config.model_dump() if config.enabled else {"enabled": False}
+
 
 class DataConfig(Section):
     mix: str = Field(description="Path to a data mix YAML (see data/*.yaml).")

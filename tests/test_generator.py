@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,8 @@ from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_bytes
 from speculators_train.hidden_states.generator import generate, iter_online
 from speculators_train.hidden_states.shards import TENSORS, HiddenStateShards, validate
-from speculators_train.recipe import load_recipe
+from speculators_train.recipe import RegenerateConfig, load_recipe
+from speculators_train.training.sources import OfflineSource
 
 from .conftest import REPO, SHAREGPT, make_recipe
 
@@ -125,6 +127,27 @@ def test_rerun_of_complete_output_is_a_no_op_and_other_settings_refuse_to_mix(ge
         UserError, match=r"refusing to mix them:\n  aux_layer_ids: \[2, 15, 27\] there, \[1, 2, 3\] now"
     ):
         generate(other)
+
+
+def test_output_written_before_a_regenerate_option_existed_still_trains_and_reruns(generated, tmp_path):
+    """Adding a setting (here `regenerate.max_turns`) must not make every earlier output "another setup";
+    a real change of what the text is made of still must."""
+    recipe, _ = generated
+    copy = tmp_path / "run" / "hidden_states"
+    shutil.copytree(recipe.hidden_states_dir, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["identity"]["regenerate"] = {"enabled": False, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 256}
+    atomic_write_bytes(copy / "manifest.json", json.dumps(manifest).encode())
+    moved = recipe.model_copy(update={"output_dir": str(tmp_path / "run")})
+    moved._source_path = recipe.source_path
+    assert generate(moved)["identity"]["regenerate"]["enabled"] is False
+    assert OfflineSource(moved, world=1, rank=0).train is not None
+    regenerated = moved.model_copy(
+        update={"data": moved.data.model_copy(update={"regenerate": RegenerateConfig(enabled=True)})}
+    )
+    regenerated._source_path = recipe.source_path
+    with pytest.raises(UserError, match=r"another setup: data\.regenerate \{'enabled': False\} there"):
+        OfflineSource(regenerated, world=1, rank=0)
 
 
 def test_kill_minus_9_then_rerun_gives_the_same_shards(tmp_path):

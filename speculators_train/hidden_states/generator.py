@@ -38,7 +38,7 @@ from speculators_train.hidden_states.shards import (
     shard_name,
     write_shard,
 )
-from speculators_train.recipe import Recipe
+from speculators_train.recipe import Recipe, RegenerateConfig
 from speculators_train.runinfo import write_run_info
 from speculators_train.target import DTYPES, Target, load_target
 
@@ -67,7 +67,7 @@ def generation_identity(recipe: Recipe, target: Target, splits: Splits, world_si
         "storage_dtype": recipe.generation.storage_dtype,
         "max_length": recipe.data.max_length,
         "overlong": recipe.data.overlong,
-        "regenerate": recipe.data.regenerate.model_dump(),
+        "regenerate": RegenerateConfig.identity(recipe.data.regenerate.model_dump()),
         "data_fingerprint": data_fingerprint(splits),
         "samples_per_shard": recipe.generation.samples_per_shard,
         "world_size": world_size,
@@ -75,6 +75,8 @@ def generation_identity(recipe: Recipe, target: Target, splits: Splits, world_si
 
 
 def check_identity(path: Path, stored: dict[str, Any], current: dict[str, Any]) -> None:
+    if "regenerate" in stored:
+        stored = {**stored, "regenerate": RegenerateConfig.identity(stored["regenerate"])}
     diffs = [
         f"{key}: {stored.get(key)!r} there, {current.get(key)!r} now"
         for key in sorted(set(stored) | set(current))

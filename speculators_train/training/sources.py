@@ -28,7 +28,7 @@ from speculators_train.hidden_states.generator import (
     process_chunk,
 )
 from speculators_train.hidden_states.shards import TOKEN_FREQ, HiddenStateShards, read_manifest
-from speculators_train.recipe import Recipe
+from speculators_train.recipe import Recipe, RegenerateConfig
 from speculators_train.training.data import collate, epoch_batches
 
 Batch = dict[str, torch.Tensor]
@@ -141,11 +141,16 @@ def _check_manifest(recipe: Recipe, identity: dict[str, Any], directory: Path) -
     if wanted is not None and identity["aux_layer_ids"] != wanted:
         problems.append(f"aux_layer_ids {identity['aux_layer_ids']} there, {wanted} in the recipe")
     data = recipe.data
-    current = {"max_length": data.max_length, "overlong": data.overlong, "regenerate": data.regenerate.model_dump()}
+    current = {
+        "max_length": data.max_length,
+        "overlong": data.overlong,
+        "regenerate": RegenerateConfig.identity(data.regenerate.model_dump()),
+    }
+    stored = {**identity, "regenerate": RegenerateConfig.identity(identity.get("regenerate", {}))}
     problems += [
-        f"data.{key} {identity[key]!r} there, {value!r} in the recipe"
+        f"data.{key} {stored.get(key)!r} there, {value!r} in the recipe"
         for key, value in current.items()
-        if identity.get(key) != value
+        if stored.get(key) != value
     ]
     if problems:
         raise UserError(f"{directory} was generated for another setup: " + "; ".join(problems))
