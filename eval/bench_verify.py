@@ -8,7 +8,8 @@ On one suite (default: the recipe's first), decodes the same prompts target-only
 baseline), then speculatively with each chain K (at most one per Medusa head) and with the recipe's tree (for
 Medusa both the dynamic tree and the one measured from per-head accuracies), and finally with an oracle draft (the
 target's own greedy tokens: acceptance length K+1), which shows the ceiling this machine allows. Every run is
-preceded by an untimed warm-up. Prints one JSON line per setting and a table with where the time goes.
+preceded by an untimed warm-up; `--set eval.cpu_packed_weights=false` measures the CPU verify passes without
+weights packed for their width. Prints one JSON line per setting and a table with where the time goes.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from tqdm import tqdm
 from speculators_train.models.medusa import MedusaDraft
 from speculators_train.recipe import load_recipe
 from speculators_train.target import load_target
-from speculators_train.verify.decoder import SpeculativeDecoder
+from speculators_train.verify.decoder import SpeculativeDecoder, verify_width
+from speculators_train.verify.packed import packed_linears
 from speculators_train.verify.proposers import OracleProposer, TreeSpec
 from speculators_train.verify.report import score
 from speculators_train.verify.run import (
@@ -69,6 +71,7 @@ def main() -> None:
             settings = recipe.model_copy(deep=True)
             settings.eval.mode, settings.eval.tree.shape = "tree", tree_shape
             shapes.append(shape_of(settings, draft, resolved))
+    packing = recipe.eval.cpu_packed_weights
     records = []
     for temperature in map(float, args.temperatures.split(",")):
         sampling = Sampling(temperature, recipe.eval.top_p)
@@ -78,15 +81,17 @@ def main() -> None:
             baseline = run_baseline(target, suite, args.max_new_tokens, sampling, recipe.seed, bar)
             for shape, k, tree in shapes:
                 decoder = SpeculativeDecoder(target, proposer_for(draft, target), sampling, k, tree)
-                spec = run_speculative(decoder, target, suite, args.max_new_tokens, recipe.seed, bar)
+                with packed_linears(target.model, [verify_width(k, tree)] if packing else []):
+                    spec = run_speculative(decoder, target, suite, args.max_new_tokens, recipe.seed, bar)
                 records.append(score(suite.config.name, shape, k, temperature, recipe.eval.top_p, spec, baseline))
             if temperature == 0:  # the ceiling: a draft that is always right
                 oracle = []
-                for prompt, base in zip(suite.prompts, baseline, strict=True):
-                    proposer = OracleProposer(prompt.ids + base.tokens)
-                    decoder = SpeculativeDecoder(target, proposer, sampling, 5)
-                    oracle.append(decoder.generate(prompt.ids, args.max_new_tokens, eos_ids(target)))
-                    bar.update(1)
+                with packed_linears(target.model, [verify_width(5, None)] if packing else []):
+                    for prompt, base in zip(suite.prompts, baseline, strict=True):
+                        proposer = OracleProposer(prompt.ids + base.tokens)
+                        decoder = SpeculativeDecoder(target, proposer, sampling, 5)
+                        oracle.append(decoder.generate(prompt.ids, args.max_new_tokens, eos_ids(target)))
+                        bar.update(1)
                 records.append(score(suite.config.name, "oracle chain(K=5)", 5, 0.0, 1.0, oracle, baseline))
     for record in records:
         record.pop("per_prompt_acceptance_length")

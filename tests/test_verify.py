@@ -9,7 +9,8 @@ import torch
 from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
 from speculators_train.models.vocab import build_vocab_mapping
 from speculators_train.recipe import load_recipe
-from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain
+from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain, verify_width
+from speculators_train.verify.packed import available, packed_linears
 from speculators_train.verify.proposers import DraftTree, Eagle3Proposer, OracleProposer, TreeSpec
 from speculators_train.verify.run import eos_ids
 from speculators_train.verify.sampling import Sampling, target_probs
@@ -82,6 +83,20 @@ def test_greedy_speculative_output_is_the_targets_own(target, prompts, reference
             assert all(a == k for a in result.accepted[:-1]), result.accepted
         if kind == "noisy":
             assert set(result.accepted) - {0}, "the noisy oracle never had a partial acceptance"
+
+
+@pytest.mark.parametrize("tree", [None, TreeSpec(top_k=3, depth=4, budget=10)], ids=["chain", "tree"])
+def test_greedy_output_is_unchanged_on_weights_packed_for_the_verify_width(target, prompts, references, tree):
+    """What `verify` runs on CPU by default: packing changes the GEMM kernel, never the tokens."""
+    eos = eos_ids(target)
+    with packed_linears(target.model, [verify_width(5, tree)]) as packed:
+        assert packed == available(target.model)
+        for prompt, reference in zip(prompts, references, strict=True):
+            result = SpeculativeDecoder(target, NoisyOracle(prompt + reference), GREEDY, 5, tree).generate(
+                prompt, 40, eos
+            )
+            assert result.tokens == reference
+            assert set(result.accepted) - {0}
 
 
 def test_draft_cache_rolled_back_and_extended_matches_a_fresh_prefill(target, random_draft, prompts):

@@ -133,6 +133,13 @@ class TargetRunner:
             layer.values = layer.values.index_select(-2, index)
 
 
+def verify_width(k: int, tree: TreeSpec | None) -> int:
+    """Tokens per full verify forward (the pending token + the drafts): the row count worth packing weights for."""
+    if tree is None:
+        return k + 1
+    return 1 + (len(tree.paths) if tree.paths is not None else tree.budget)
+
+
 class SpeculativeDecoder:
     def __init__(
         self,

@@ -25,7 +25,8 @@ from speculators_train.models.medusa import MedusaDraft
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
 from speculators_train.target import Target, load_target
-from speculators_train.verify.decoder import Generation, SpeculativeDecoder, decode_plain
+from speculators_train.verify.decoder import Generation, SpeculativeDecoder, decode_plain, verify_width
+from speculators_train.verify.packed import packed_linears
 from speculators_train.verify.proposers import Eagle3Proposer, MedusaProposer, Proposer, TreeSpec, measured_tree
 from speculators_train.verify.report import score, write_outputs
 from speculators_train.verify.sampling import Sampling
@@ -148,7 +149,8 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
     shape, k, tree = shape_of(recipe, draft, checkpoint)
     total = 2 * sum(len(s.prompts) for s in suites) * len(ev.temperatures)
     records = []
-    with tqdm(total=total, unit="prompt", desc="verify") as bar:
+    packing = packed_linears(target.model, [verify_width(k, tree)] if ev.cpu_packed_weights else [])
+    with packing, tqdm(total=total, unit="prompt", desc="verify") as bar:
         for suite in suites:
             max_new = ev.max_new_tokens or suite.config.max_new_tokens
             for temperature in ev.temperatures:
