@@ -20,11 +20,10 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from rich.console import Console
 from rich.table import Table
 
-from speculators_train.recipe import load_recipe
+from speculators_train.recipe import load_recipe, parse_overrides
 from speculators_train.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +35,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
-    overrides = {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in args.set)}
+    overrides = parse_overrides(args.set)
     recipe = load_recipe(args.recipe, overrides)
     states = recipe.hidden_states_dir.resolve()
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,13 +19,12 @@ import json
 import sys
 from pathlib import Path
 
-import yaml
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
 from speculators_train.models.medusa import MedusaDraft
-from speculators_train.recipe import load_recipe
+from speculators_train.recipe import load_recipe, parse_overrides
 from speculators_train.target import load_target
 from speculators_train.verify.decoder import SpeculativeDecoder, verify_width
 from speculators_train.verify.packed import packed_linears
@@ -57,7 +56,7 @@ def main() -> None:
     parser.add_argument("--no-tree", action="store_true")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
-    recipe = load_recipe(args.recipe, {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in args.set)})
+    recipe = load_recipe(args.recipe, parse_overrides(args.set))
     target = load_target(recipe.target)
     draft_path = Path(args.draft) if args.draft else recipe.run_dir / "train" / "checkpoints"
     draft, resolved = load_draft_for(target, draft_path)

@@ -2,6 +2,7 @@
 
     .venv/bin/python eval/osd_drift.py                          # recipes/osd.yaml, 192 coding requests
     .venv/bin/python eval/osd_drift.py --records 320 --max-new-tokens 128
+    .venv/bin/python eval/osd_drift.py --set osd.init_from=runs/x/train/checkpoints --set output_dir=runs/osd-x
 
 1. Builds production-style logs (OpenAI chat JSONL) from the shifted domain: ShareGPT coding requests (the
    `sharegpt-code` suite's selection, never in the draft's training split) answered greedily by the target, as a
@@ -26,7 +27,7 @@ from rich.table import Table
 
 from speculators_train.files import atomic_write_bytes
 from speculators_train.osd.distill import OnlineDistiller, acceptance
-from speculators_train.recipe import load_recipe
+from speculators_train.recipe import load_recipe, parse_overrides
 from speculators_train.target import load_target
 from speculators_train.training.checkpoint import load_draft
 from speculators_train.verify.suites import answered, load_suite
@@ -52,8 +53,9 @@ def main() -> None:
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "osd.yaml"))
     parser.add_argument("--records", type=int, default=192)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
     args = parser.parse_args()
-    recipe = load_recipe(args.recipe)
+    recipe = load_recipe(args.recipe, parse_overrides(args.set))
     target = load_target(recipe.target)
     logs = recipe.run_dir / "logs"
     started = time.perf_counter()

@@ -8,30 +8,19 @@ import logging
 import sys
 from pathlib import Path
 
-import yaml
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
 from speculators_train.data.conversations import SkipReport
 from speculators_train.errors import UserError
-from speculators_train.recipe import Recipe, load_recipe
+from speculators_train.recipe import Recipe, load_recipe, parse_overrides
 
 console = Console(stderr=True)
 
 
-def _overrides(pairs: list[str]) -> dict[str, object]:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise UserError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set data.max_length=512")
-        out[key] = yaml.safe_load(value)
-    return out
-
-
 def _recipe(args: argparse.Namespace) -> Recipe:
-    return load_recipe(args.recipe, _overrides(args.set))
+    return load_recipe(args.recipe, parse_overrides(args.set))
 
 
 def cmd_data(args: argparse.Namespace) -> int:

@@ -338,3 +338,14 @@ def load_yaml_model(path: str | Path, model: type[M], what: str, overrides: dict
 
 def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
     return load_yaml_model(path, Recipe, "recipe", overrides)
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` options as `load_recipe` overrides; values are YAML (`--set eval.temperatures=[0,1]`)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set data.max_length=512")
+        out[key] = yaml.safe_load(value)
+    return out
