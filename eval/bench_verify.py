@@ -26,8 +26,7 @@ from tqdm import tqdm
 from speculators_train.models.medusa import MedusaDraft
 from speculators_train.recipe import load_recipe, parse_overrides
 from speculators_train.target import load_target
-from speculators_train.verify.decoder import SpeculativeDecoder, verify_width
-from speculators_train.verify.packed import packed_linears
+from speculators_train.verify.decoder import SpeculativeDecoder
 from speculators_train.verify.proposers import OracleProposer, TreeSpec
 from speculators_train.verify.report import score
 from speculators_train.verify.run import (
@@ -37,6 +36,7 @@ from speculators_train.verify.run import (
     run_baseline,
     run_speculative,
     shape_of,
+    verify_packing,
     warm_up,
 )
 from speculators_train.verify.sampling import Sampling
@@ -80,12 +80,12 @@ def main() -> None:
             baseline = run_baseline(target, suite, args.max_new_tokens, sampling, recipe.seed, bar)
             for shape, k, tree in shapes:
                 decoder = SpeculativeDecoder(target, proposer_for(draft, target), sampling, k, tree)
-                with packed_linears(target.model, [verify_width(k, tree)] if packing else []):
+                with verify_packing(target, k, tree, packing):
                     spec = run_speculative(decoder, target, suite, args.max_new_tokens, recipe.seed, bar)
                 records.append(score(suite.config.name, shape, k, temperature, recipe.eval.top_p, spec, baseline))
             if temperature == 0:  # the ceiling: a draft that is always right
                 oracle = []
-                with packed_linears(target.model, [verify_width(5, None)] if packing else []):
+                with verify_packing(target, 5, None, packing):
                     for prompt, base in zip(suite.prompts, baseline, strict=True):
                         proposer = OracleProposer(prompt.ids + base.tokens)
                         decoder = SpeculativeDecoder(target, proposer, sampling, 5)

@@ -7,6 +7,7 @@ the exact recipe used.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -114,6 +115,11 @@ def warm_up(target: Target, decoder: SpeculativeDecoder, suite: Suite) -> None:
     decoder.generate(prompt, 8, set(), torch.Generator(device=target.model.device))
 
 
+def verify_packing(target: Target, k: int, tree: TreeSpec | None, enabled: bool) -> contextlib.AbstractContextManager:
+    """The target's linears packed for this shape's verify passes (CPU float32 only; see `verify.packed`)."""
+    return packed_linears(target.model, [verify_width(k, tree)] if enabled else [])
+
+
 def shape_of(recipe: Recipe, draft: Eagle3Draft | MedusaDraft, checkpoint: Path) -> tuple[str, int, TreeSpec | None]:
     """(label, K as scored, tree spec or None) for the recipe's eval mode and this draft. Medusa drafts at most
     one token per head."""
@@ -149,8 +155,7 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
     shape, k, tree = shape_of(recipe, draft, checkpoint)
     total = 2 * sum(len(s.prompts) for s in suites) * len(ev.temperatures)
     records = []
-    packing = packed_linears(target.model, [verify_width(k, tree)] if ev.cpu_packed_weights else [])
-    with packing, tqdm(total=total, unit="prompt", desc="verify") as bar:
+    with verify_packing(target, k, tree, ev.cpu_packed_weights), tqdm(total=total, unit="prompt", desc="verify") as bar:
         for suite in suites:
             max_new = ev.max_new_tokens or suite.config.max_new_tokens
             for temperature in ev.temperatures:
