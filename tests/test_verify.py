@@ -1,20 +1,25 @@
 """The verify loop with the real SmolLM2 target on real prompts: exactness, cache bookkeeping, EOS/limits, scoring."""
 
 import json
-from pathlib import Path
+import re
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
+from speculators_train.errors import UserError
 from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
 from speculators_train.models.vocab import build_vocab_mapping
 from speculators_train.recipe import load_recipe
+from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain, verify_width
 from speculators_train.verify.packed import available, packed_linears
 from speculators_train.verify.proposers import DraftTree, Eagle3Proposer, OracleProposer, TreeSpec
-from speculators_train.verify.run import eos_ids
+from speculators_train.verify.run import eos_ids, load_draft_for
 from speculators_train.verify.sampling import Sampling, target_probs
+from speculators_train.verify.suites import load_suite
 
+from .conftest import REPO, SHAREGPT, make_recipe
 from .test_sampling_rules import tv, tv_threshold
 
 pytestmark = pytest.mark.slow
@@ -210,10 +215,7 @@ def test_sampled_first_and_second_tokens_follow_the_target(target):
 
 
 def test_verify_command_writes_json_markdown_plot_and_the_recipe(tmp_path, target, random_draft):
-    from speculators_train.training.checkpoint import save_checkpoint
     from speculators_train.verify.run import verify
-
-    from .conftest import SHAREGPT, make_recipe
 
     save_checkpoint(tmp_path / "ckpt", 1, random_draft, None, {"step": 1}, keep_last=1)
     recipe = load_recipe(
@@ -251,8 +253,6 @@ def test_a_speculators_format_eagle3_made_elsewhere_loads_and_drafts_the_same(tm
     """A directory in the speculators/vLLM layout (written here by hand from SPEC section 5, not by our exporter)."""
     from safetensors.torch import save_file
 
-    from speculators_train.verify.run import load_draft_for
-
     cfg = random_draft.config
     weights = {k: v.contiguous() for k, v in random_draft.state_dict().items()}
     save_file(weights, tmp_path / "model.safetensors")
@@ -286,8 +286,6 @@ def test_a_draft_cast_to_bf16_keeps_rope_frequencies_in_fp32(tmp_path, random_dr
     """Casting a module casts its float buffers too; RoPE's inv_freq rounded to bf16 shifts far positions."""
     from speculators_train.recipe import TargetConfig
     from speculators_train.target import load_target
-    from speculators_train.training.checkpoint import save_checkpoint
-    from speculators_train.verify.run import load_draft_for
 
     save_checkpoint(tmp_path, 1, random_draft, None, {"step": 1}, keep_last=1)
     bf16 = load_target(TargetConfig(dtype="bfloat16", device="cpu"))
@@ -298,15 +296,6 @@ def test_a_draft_cast_to_bf16_keeps_rope_frequencies_in_fp32(tmp_path, random_dr
 
 
 def test_a_draft_for_another_target_or_a_suite_without_prompts_is_refused(tmp_path, target):
-    from transformers import LlamaConfig
-
-    from speculators_train.errors import UserError
-    from speculators_train.training.checkpoint import save_checkpoint
-    from speculators_train.verify.run import load_draft_for
-    from speculators_train.verify.suites import load_suite
-
-    from .conftest import SHAREGPT, make_recipe
-
     other = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
     save_checkpoint(tmp_path, 1, Eagle3Draft(Eagle3Config.for_target(other, [1, 2, 3], 64, False)), None, {}, 1)
     with pytest.raises(UserError, match=r"draft does not fit the target \(hidden size: draft 64, target 576"):
@@ -324,14 +313,8 @@ def test_a_draft_for_another_target_or_a_suite_without_prompts_is_refused(tmp_pa
 
 def test_the_general_chat_suite_leaves_out_what_the_coding_suite_selects(tmp_path, target):
     """sharegpt-chat gates online distillation on coding traffic: it must not hold a single coding request."""
-    import re
-
-    from speculators_train.verify.suites import load_suite
-
-    from .conftest import SHAREGPT, make_recipe
-
     recipe = load_recipe(make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 30}]))
-    suites = Path(__file__).resolve().parents[1] / "eval" / "suites"
+    suites = REPO / "eval" / "suites"
     chat = load_suite(suites / "sharegpt-chat.yaml", recipe, target.tokenizer)
     code = load_suite(suites / "sharegpt-code.yaml", recipe, target.tokenizer, 64)
     coding = re.compile(code.config.match, re.IGNORECASE)
