@@ -247,6 +247,12 @@ class OSDConfig(Section):
     )
     min_gain: float = Field(0.0, ge=0, description="Promote only if the log-slice AL rises by more than this.")
     general_margin: float = Field(0.02, ge=0, description="Largest general-suite AL loss a promotion may cost.")
+    restart_after_refusals: int = Field(
+        2,
+        gt=0,
+        description="The candidate keeps training across windows (optimizer state too); after this many refusals in a "
+        "row it restarts from the deployed version.",
+    )
 
 
 class Recipe(Section):

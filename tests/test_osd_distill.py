@@ -83,7 +83,8 @@ def setup(tmp_path, random_draft):  # noqa: F811
 def test_distillation_promotes_a_better_draft_refuses_a_worse_one_and_resumes(tmp_path, setup, target):
     recipe, logs = setup
     root = recipe.run_dir / "osd"
-    history = OnlineDistiller(recipe, logs, target).run()
+    first_run = OnlineDistiller(recipe, logs, target)
+    history = first_run.run()
     assert [r["records_seen"] for r in history] == [20, 40]  # two full windows of update_interval records
     first = history[0]
     # A random draft accepts nothing; a few steps on the traffic it failed on must beat it on unseen log records.
@@ -105,12 +106,23 @@ def test_distillation_promotes_a_better_draft_refuses_a_worse_one_and_resumes(tm
     again = OnlineDistiller(recipe, logs, target)
     assert (root / "current").resolve() == (root / "versions" / f"v{version:04d}").resolve()
     assert again.progress["consumed"] == 40 and again.run() == []
+    # The trainee resumes where it was, optimizer moments included, not from the deployed version.
+    for name, value in first_run.trainee.state_dict().items():
+        torch.testing.assert_close(again.trainee.state_dict()[name], value, msg=name)
+    moments = [s["exp_avg"] for s in again.optimizer.state.values()]
+    first_moments = [s["exp_avg"] for s in first_run.optimizer.state.values()]
+    assert moments and all(torch.equal(a, b) for a, b in zip(moments, first_moments, strict=True))
     with open(logs / "day1.jsonl", "a") as fh:
-        fh.write("\n".join(log_lines(tmp_path, 20, skip=40)) + "\n")
+        fh.write("\n".join(log_lines(tmp_path, 40, skip=40)) + "\n")
     again.cfg.learning_rate = 3.0
-    (refused,) = again.run()
+    refused, restarted = again.run()
     assert not refused["promoted"] and "does not beat the current" in refused["reason"]
-    assert refused["version_after"] == version
+    assert refused["version_after"] == version and not refused["trainee_restarted"]
+    # The second refusal in a row (restart_after_refusals: 2) restarts the trainee from the deployed version.
+    assert not restarted["promoted"] and restarted["trainee_restarted"]
+    for name, value in again.draft.state_dict().items():
+        torch.testing.assert_close(again.trainee.state_dict()[name], value, msg=name)
+    assert not again.optimizer.state
 
     # The general suite was frozen with the first run; a recipe that now asks for another one cannot silently
     # compare new versions against a baseline measured on the old one.
@@ -118,7 +130,7 @@ def test_distillation_promotes_a_better_draft_refuses_a_worse_one_and_resumes(tm
     with pytest.raises(UserError, match=r"general\.json: frozen from eval.suites .* x 4 records"):
         OnlineDistiller(recipe, logs, target)
     assert (root / "current").resolve() == (root / "versions" / f"v{version:04d}").resolve()
-    assert json.loads((root / "history.jsonl").read_text().splitlines()[-1])["reason"] == refused["reason"]
+    assert json.loads((root / "history.jsonl").read_text().splitlines()[-1])["reason"] == restarted["reason"]
 
 
 def test_the_general_suite_is_captured_at_the_layers_the_adapted_draft_reads(tmp_path, target):

@@ -5,6 +5,7 @@ where it fails, distil on them, and promote a new version only when it measurabl
     <run dir>/osd/general.json          the general suite every version is held to (eval.suites, target-answered)
     <run dir>/osd/progress.json         entries consumed, records seen, current version (the commit point)
     <run dir>/osd/versions/vNNNN/       checkpoint/ (ours) and speculators/ (`vllm serve` it)
+    <run dir>/osd/trainee/step-NNNNNN/  the draft in training and its optimizer, after update NNNNNN
     <run dir>/osd/current -> versions/vNNNN     replaced atomically on promotion
     <run dir>/osd/history.jsonl         one line per update: acceptance before/after, promoted or why not
     <run dir>/osd/acceptance.png        acceptance length vs records seen
@@ -14,6 +15,11 @@ Acceptance is scored teacher-forced on the target's own states, as training pred
 i+1 drafts iff draft steps 0..i all give the target's greedy token, so AL(K) = 1 + sum_i full_acc_i (the greedy
 acceptance the verify loop measures on target-greedy text; the two agreed within 0.05 on the demo draft).
 Logged responses come from the target itself, so the same holds on traffic.
+
+The draft in training (the trainee) is not reset to the deployed version after each update: it keeps training
+across windows with its optimizer state, as online distillation does, and each update offers it to the gate. A
+refused candidate's steps are not lost; after `restart_after_refusals` refusals in a row it restarts from the
+deployed version, so a run that went wrong cannot block promotions for good.
 """
 
 from __future__ import annotations
@@ -140,6 +146,7 @@ class OnlineDistiller:
             baseline = self._general(self.draft)
             self.progress = {"consumed": 0, "records_seen": 0, "version": 0, "updates": 0, "general_baseline": baseline}
             atomic_write_json(progress, self.progress)
+        self.trainee, self.optimizer = self._load_trainee()
         self.held_out: list[Sample] = []
         self.buffer = Buffer(self.cfg.buffer_size)
         self.rng = random.Random(recipe.seed)
@@ -153,6 +160,25 @@ class OnlineDistiller:
         held = [e for e in consumed if is_held_out(e["id"], self.cfg.held_out_fraction)]
         train = [e for e in consumed if not is_held_out(e["id"], self.cfg.held_out_fraction)]
         self._take(held[: self.cfg.held_out_records] + train[-self.cfg.buffer_size :])
+
+    def _restart_trainee(self) -> tuple[Eagle3Draft, torch.optim.Optimizer]:
+        """A trainee starting from the deployed version, with a fresh optimizer."""
+        trainee = copy.deepcopy(self.draft)
+        return trainee, torch.optim.AdamW(trainee.trainable_parameters(), lr=self.cfg.learning_rate, weight_decay=0.0)
+
+    def _load_trainee(self) -> tuple[Eagle3Draft, torch.optim.Optimizer]:
+        """The trainee saved with the last committed window, or (first run, or a kill before it was saved) one
+        restarted from the deployed version."""
+        step = self.progress.get("trainee")
+        path = self.root / "trainee" / f"step-{step:06d}" if step is not None else None
+        if path is None or not path.is_dir():
+            return self._restart_trainee()
+        trainee = self.prepare(ckpt.load_draft(path), path)
+        optimizer = torch.optim.AdamW(trainee.trainable_parameters(), lr=self.cfg.learning_rate, weight_decay=0.0)
+        state, _ = ckpt.load_training_state(path)
+        if state is not None:
+            optimizer.load_state_dict(state)
+        return trainee, optimizer
 
     def prepare(self, draft: Eagle3Draft, path: Path, has_embedding: bool = False) -> Eagle3Draft:
         t = self.target
@@ -266,6 +292,12 @@ class OnlineDistiller:
         }
         if self.buffer.items and self.held_out:
             record.update(self._update())
+            # Saved before the commit point; a kill in between restarts the trainee from the deployed version.
+            updates = self.progress["updates"]
+            ckpt.save_checkpoint(
+                self.root / "trainee", updates, self.trainee, self.optimizer.state_dict(), {"update": updates}, 2
+            )
+            self.progress["trainee"] = updates
         self.progress["consumed"] += len(entries)
         self.progress["records_seen"] = record["records_seen"]
         atomic_write_json(self.root / "progress.json", self.progress)
@@ -274,10 +306,11 @@ class OnlineDistiller:
         return record
 
     def _update(self) -> dict[str, Any]:
-        cfg = self.cfg
-        candidate = copy.deepcopy(self.draft).train()
+        """Train the trainee on the buffer, offer it to the gate; promote a copy of it or count the refusal."""
+        cfg, candidate, optimizer = self.cfg, self.trainee.train(), self.optimizer
         params = candidate.trainable_parameters()
-        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=0.0)
+        for group in optimizer.param_groups:  # the recipe's rate, also after a resume from a saved optimizer
+            group["lr"] = cfg.learning_rate
         steps = self.recipe.eagle3.ttt_steps
         for _ in range(cfg.steps_per_update):
             batch = collate(self.buffer.batch(cfg.batch_size, self.rng))
@@ -292,10 +325,16 @@ class OnlineDistiller:
         baseline = (old[0], self.progress["general_baseline"])
         promote, why = gate(new, baseline, cfg.general_margin, cfg.min_gain)
         self.progress["updates"] += 1
+        refusals = 0 if promote else self.progress.get("refusals", 0) + 1
+        restarted = refusals >= cfg.restart_after_refusals
         if promote:
             self.progress["version"] += 1
-            self._save_version(self.progress["version"], candidate)
-            self.draft = candidate
+            self.draft = copy.deepcopy(candidate)
+            self._save_version(self.progress["version"], self.draft)
+        elif restarted:
+            self.trainee, self.optimizer = self._restart_trainee()
+            refusals = 0
+        self.progress["refusals"] = refusals
         log.info("update %d: %s (%s)", self.progress["updates"], "promoted" if promote else "kept", why)
         return {
             "log_al": old[0],
@@ -304,6 +343,7 @@ class OnlineDistiller:
             "candidate_general_al": new[1],
             "promoted": promote,
             "reason": why,
+            "trainee_restarted": restarted,
             "version_after": self.progress["version"],
         }
 
