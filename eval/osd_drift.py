@@ -9,7 +9,8 @@
    server running it would answer them.
 2. Runs `speculators-train osd` on them from the recipe's `osd.init_from` draft (the demo EAGLE-3 draft).
 3. Reports teacher-forced acceptance length on the held-out slice of the coding logs and on the general chat
-   suite, before (the starting draft) and after (the promoted version), as a JSON line and a table.
+   suite, before (the starting draft) and after (the promoted version), and the real verify loop's greedy
+   acceptance length on coding requests the logs never contained (`--verify-prompts`), as a JSON line and a table.
 Everything lands in <run dir>/ (logs/, osd/); rerunning resumes instead of starting over.
 """
 
@@ -24,13 +25,17 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 from rich.table import Table
+from tqdm import tqdm
 
 from speculators_train.files import atomic_write_bytes
 from speculators_train.osd.distill import OnlineDistiller, acceptance
 from speculators_train.recipe import load_recipe, parse_overrides
 from speculators_train.target import load_target
 from speculators_train.training.checkpoint import load_draft
-from speculators_train.verify.suites import answered, load_suite
+from speculators_train.verify.decoder import SpeculativeDecoder
+from speculators_train.verify.run import proposer_for, run_speculative, verify_packing
+from speculators_train.verify.sampling import Sampling
+from speculators_train.verify.suites import Suite, answered, load_suite
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,11 +53,32 @@ def coding_logs(recipe, target, records: int, max_new_tokens: int, out: Path) ->
     atomic_write_bytes(out, ("\n".join(lines) + "\n").encode())
 
 
+def unseen_coding(recipe, target, logs: Path, count: int) -> Suite:
+    """Coding requests of the same suite that are not in the logs: the shifted domain, never distilled on."""
+    seen = {json.loads(line)["id"] for line in logs.read_text().splitlines() if line.strip()}
+    wanted = 2 * (len(seen) + count)  # the logs were made from the suite's first requests
+    suite = load_suite(REPO / "eval" / "suites" / "sharegpt-code.yaml", recipe, target.tokenizer, wanted)
+    suite.prompts = [p for p in suite.prompts if p.id not in seen][:count]
+    return suite
+
+
+def real_acceptance(recipe, target, draft, suite: Suite, max_new_tokens: int) -> tuple[float, list[list[int]]]:
+    """Greedy speculative decoding with K = eval.num_speculative_tokens: (acceptance length, the outputs)."""
+    k = recipe.eval.num_speculative_tokens
+    decoder = SpeculativeDecoder(target, proposer_for(draft, target), Sampling(0.0), k)
+    bar = tqdm(total=len(suite.prompts), unit="prompt", desc="verify loop")
+    with bar, verify_packing(target, k, None, recipe.eval.cpu_packed_weights):
+        runs = run_speculative(decoder, target, suite, max_new_tokens, recipe.seed, bar)
+    steps = [a for run in runs for a in run.accepted]
+    return 1 + sum(steps) / len(steps), [run.tokens for run in runs]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "osd.yaml"))
     parser.add_argument("--records", type=int, default=192)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--verify-prompts", type=int, default=12, help="unseen coding requests for the verify loop")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
     args = parser.parse_args()
     recipe = load_recipe(args.recipe, parse_overrides(args.set))
@@ -73,6 +99,8 @@ def main() -> None:
         }
         for when in ("before", "after")
     )
+    unseen = unseen_coding(recipe, target, logs / "coding.jsonl", args.verify_prompts)
+    real = {when: real_acceptance(recipe, target, drafts[when], unseen, args.max_new_tokens) for when in drafts}
     record = {
         "records": distiller.progress["records_seen"],
         "updates": distiller.progress["updates"],
@@ -84,6 +112,10 @@ def main() -> None:
         "coding_al_after": after["log"],
         "general_al_before": before["general"],
         "general_al_after": after["general"],
+        "verify_prompts": len(unseen.prompts),
+        "verify_coding_al_before": real["before"][0],
+        "verify_coding_al_after": real["after"][0],
+        "verify_outputs_identical": real["before"][1] == real["after"][1],
         "divergence": recipe.osd.divergence,
         "log_generation_s": generated - started,
         "osd_s": time.perf_counter() - generated,
@@ -94,6 +126,9 @@ def main() -> None:
         table.add_column(column, justify="right")
     for name, key in (("coding logs (held out)", "log"), ("general chat", "general")):
         table.add_row(name, f"{before[key]:.3f}", f"{after[key]:.3f}", f"{after[key] - before[key]:+.3f}")
+    (al_before, _), (al_after, _) = real["before"], real["after"]
+    name = f"unseen coding, verify loop ({len(unseen.prompts)})"
+    table.add_row(name, f"{al_before:.3f}", f"{al_after:.3f}", f"{al_after - al_before:+.3f}")
     Console(file=sys.stderr).print(table)
     atomic_write_bytes(distiller.root / "drift.json", yaml.safe_dump(record).encode())
 
