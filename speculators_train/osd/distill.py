@@ -161,20 +161,23 @@ class OnlineDistiller:
         train = [e for e in consumed if not is_held_out(e["id"], self.cfg.held_out_fraction)]
         self._take(held[: self.cfg.held_out_records] + train[-self.cfg.buffer_size :])
 
+    def _optimizer(self, trainee: Eagle3Draft) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(trainee.trainable_parameters(), lr=self.cfg.learning_rate, weight_decay=0.0)
+
     def _restart_trainee(self) -> tuple[Eagle3Draft, torch.optim.Optimizer]:
         """A trainee starting from the deployed version, with a fresh optimizer."""
         trainee = copy.deepcopy(self.draft)
-        return trainee, torch.optim.AdamW(trainee.trainable_parameters(), lr=self.cfg.learning_rate, weight_decay=0.0)
+        return trainee, self._optimizer(trainee)
 
     def _load_trainee(self) -> tuple[Eagle3Draft, torch.optim.Optimizer]:
-        """The trainee saved with the last committed window, or (first run, or a kill before it was saved) one
-        restarted from the deployed version."""
+        """The trainee saved with the last committed update, or (before any update) one restarted from the deployed
+        version."""
         step = self.progress.get("trainee")
         path = self.root / "trainee" / f"step-{step:06d}" if step is not None else None
         if path is None or not path.is_dir():
             return self._restart_trainee()
         trainee = self.prepare(ckpt.load_draft(path), path)
-        optimizer = torch.optim.AdamW(trainee.trainable_parameters(), lr=self.cfg.learning_rate, weight_decay=0.0)
+        optimizer = self._optimizer(trainee)
         state, _ = ckpt.load_training_state(path)
         if state is not None:
             optimizer.load_state_dict(state)
@@ -292,7 +295,8 @@ class OnlineDistiller:
         }
         if self.buffer.items and self.held_out:
             record.update(self._update())
-            # Saved before the commit point; a kill in between restarts the trainee from the deployed version.
+            # Saved before the commit point, keeping the previous one: a kill in between resumes the trainee of the
+            # last committed update, and the window is redone.
             updates = self.progress["updates"]
             ckpt.save_checkpoint(
                 self.root / "trainee", updates, self.trainee, self.optimizer.state_dict(), {"update": updates}, 2
