@@ -81,6 +81,8 @@ def main() -> None:
     parser.add_argument("--verify-prompts", type=int, default=12, help="unseen coding requests for the verify loop")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
     args = parser.parse_args()
+    if args.verify_prompts < 1:
+        parser.error("--verify-prompts must be at least 1")
     recipe = load_recipe(args.recipe, parse_overrides(args.set))
     target = load_target(recipe.target)
     logs = recipe.run_dir / "logs"
