@@ -162,6 +162,12 @@ class TrainingConfig(Section):
     log_every_steps: int = Field(10, gt=0)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, value: Any) -> Any:
+        """YAML 1.1 reads a bare `no` (in a file or a --set) as false; it means "no" here."""
+        return "no" if value is False else value
+
 
 class Eagle3Section(Section):
     draft_vocab_size: int = Field(8192, gt=0, description="Reduced vocab from the generator's token counts.")

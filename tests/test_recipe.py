@@ -4,7 +4,7 @@ import pytest
 
 from speculators_train.data.mix import load_mix_config
 from speculators_train.errors import UserError
-from speculators_train.recipe import load_recipe
+from speculators_train.recipe import load_recipe, parse_overrides
 
 from .conftest import REPO
 
@@ -70,6 +70,15 @@ def test_overrides_apply_and_validate(tmp_path):
     assert load_recipe(path, {"data.max_length": 64}).data.max_length == 64
     with pytest.raises(UserError, match=r"data\.max_len: unknown key"):
         load_recipe(path, {"data.max_len": 64})
+
+
+def test_bare_no_means_no_mixed_precision_in_a_file_and_a_set(tmp_path):
+    path = write(tmp_path, "name: x\ndata: {mix: m.yaml}\ntraining: {mixed_precision: no}\n")
+    assert load_recipe(path).training.mixed_precision == "no"
+    set_no = parse_overrides(["training.mixed_precision=no"])
+    assert load_recipe(write(tmp_path, "name: x\ndata: {mix: m.yaml}\n"), set_no).training.mixed_precision == "no"
+    with pytest.raises(UserError, match=r"training\.mixed_precision"):
+        load_recipe(path, {"training.mixed_precision": True})
 
 
 def test_missing_mix_file_names_key(tmp_path):
