@@ -4,7 +4,7 @@ import pytest
 
 from speculators_train.data.conversations import Conversation, SkipReport, normalize_record
 from speculators_train.data.mix import load_mix
-from speculators_train.data.render import render
+from speculators_train.data.render import render, render_many
 from speculators_train.recipe import Section
 
 from .conftest import SHAREGPT
@@ -41,6 +41,27 @@ def test_mask_covers_exactly_assistant_content_and_end_of_turn_sharegpt(tokenize
         assert masked_runs(sample, tokenizer) == expected_runs(conv, "<|im_end|>"), conv.origin
         checked += 1
     assert checked >= 35
+
+
+def test_truncated_samples_are_prefixes_of_the_whole_in_one_batched_call(tokenizer, tmp_path):
+    """Truncation stops rendering turns past the cut; ids and mask must still be exactly the whole's prefix."""
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(f"sources: [{{name: sg, path: '{SHAREGPT}', max_records: 60}}]\n")
+    convs = load_mix(mix, 0.0).train
+    whole = render_many(convs, tokenizer, 100_000, "truncate", SkipReport())
+    multi_turn_cuts = 0
+    for max_length in (48, 200, 700):
+        cut = render_many(convs, tokenizer, max_length, "truncate", SkipReport())
+        for conv, full, part in zip(convs, whole, cut, strict=True):
+            if full is None or part is None:
+                assert part is None or full is not None, conv.origin
+                continue
+            n = len(part.input_ids)
+            assert n == min(max_length, len(full.input_ids)), conv.origin
+            assert part.input_ids.tolist() == full.input_ids[:n].tolist(), conv.origin
+            assert part.loss_mask.tolist() == full.loss_mask[:n].tolist(), conv.origin
+            multi_turn_cuts += n < len(full.input_ids) and len(conv.messages) > 2
+    assert multi_turn_cuts >= 20
 
 
 def test_mask_excludes_header_system_and_user_ultrachat_style(tokenizer):

@@ -25,13 +25,17 @@ class Sample:
     loss_mask: torch.Tensor  # [T] bool, True on assistant content + end-of-turn tokens
 
 
-def assistant_spans(conv: Conversation, tokenizer) -> tuple[str, list[tuple[int, int]]]:
-    """Full rendered text and the character spans of assistant content (+ end-of-turn), header excluded."""
+def assistant_spans(conv: Conversation, tokenizer, text: str, limit: int) -> list[tuple[int, int]]:
+    """Character spans of assistant content (+ end-of-turn), header excluded, in the rendered `text`.
+
+    Turns that start past character `limit` (the first token truncation drops) are not rendered: on long
+    conversations the prefix renders are quadratic in the turn count."""
     messages = list(conv.messages)
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []
     prev_end = 0
     for i, message in enumerate(messages):
+        if prev_end > limit:
+            break
         through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not text.startswith(through):
             raise ValueError("chat template renders a prefix of the conversation differently from the whole")
@@ -52,31 +56,66 @@ def assistant_spans(conv: Conversation, tokenizer) -> tuple[str, list[tuple[int,
             if end > start:
                 spans.append((start, end))
         prev_end = len(through)
-    return text, spans
+    return spans
 
 
-def render(conv: Conversation, tokenizer, max_length: int, overlong: str, report: SkipReport) -> Sample | None:
-    """Tokenise one conversation; over-long samples are truncated or dropped by setting, each skip counted."""
-    try:
-        text, spans = assistant_spans(conv, tokenizer)
-    except Exception as exc:  # jinja raises TemplateError for e.g. non-alternating roles
-        report.skip("chat_template_error", f"{conv.origin} ({str(exc)[:80]})")
-        return None
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = encoded["input_ids"]
-    mask = [False] * len(ids)
-    span_index = 0
-    for t, (start, _end) in enumerate(encoded["offset_mapping"]):
-        while span_index < len(spans) and start >= spans[span_index][1]:
-            span_index += 1
-        if span_index < len(spans) and start >= spans[span_index][0]:
-            mask[t] = True
+def _template_error(report: SkipReport, conv: Conversation, exc: Exception) -> None:
+    report.skip("chat_template_error", f"{conv.origin} ({str(exc)[:80]})")
+
+
+def render_many(
+    convs: list[Conversation], tokenizer, max_length: int, overlong: str, report: SkipReport
+) -> list[Sample | None]:
+    """Tokenise conversations (one tokenizer call, which a fast tokenizer spreads over all cores).
+
+    Over-long samples are truncated or dropped by setting; each skip is counted in `report`."""
+    texts: list[str | None] = []
+    for conv in convs:
+        try:
+            texts.append(tokenizer.apply_chat_template(list(conv.messages), tokenize=False))
+        except Exception as exc:  # jinja raises TemplateError for e.g. non-alternating roles
+            _template_error(report, conv, exc)
+            texts.append(None)
+    rendered = [t for t in texts if t is not None]
+    encoded = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True) if rendered else None
+    out: list[Sample | None] = []
+    k = 0
+    for conv, text in zip(convs, texts, strict=True):
+        if text is None:
+            out.append(None)
+            continue
+        ids, offsets = encoded["input_ids"][k], encoded["offset_mapping"][k]
+        k += 1
+        out.append(_sample(conv, tokenizer, text, ids, offsets, max_length, overlong, report))
+    return out
+
+
+def _sample(conv, tokenizer, text, ids, offsets, max_length, overlong, report) -> Sample | None:
     if len(ids) > max_length:
         if overlong == "drop":
             report.skip("overlong", f"{conv.origin} ({len(ids)} > {max_length} tokens)")
             return None
-        ids, mask = ids[:max_length], mask[:max_length]
+        ids, limit = ids[:max_length], offsets[max_length][0]
+    else:
+        limit = len(text)
+    try:
+        spans = assistant_spans(conv, tokenizer, text, limit)
+    except Exception as exc:
+        _template_error(report, conv, exc)
+        return None
+    mask = [False] * len(ids)
+    span_index = 0
+    for t, (start, _end) in enumerate(offsets[: len(ids)]):
+        while span_index < len(spans) and start >= spans[span_index][1]:
+            span_index += 1
+        if span_index < len(spans) and start >= spans[span_index][0]:
+            mask[t] = True
     if not any(mask):
         report.skip("no_assistant_tokens_in_max_length", conv.origin)
         return None
     return Sample(conv.id, torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool))
+
+
+def render(conv: Conversation, tokenizer, max_length: int, overlong: str, report: SkipReport) -> Sample | None:
+    """One conversation; see render_many."""
+    return render_many([conv], tokenizer, max_length, overlong, report)[0]

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from speculators_train.data.conversations import Conversation, SkipReport
 from speculators_train.data.mix import Splits, load_mix
 from speculators_train.data.regenerate import regenerate
-from speculators_train.data.render import Sample, render
+from speculators_train.data.render import Sample, render_many
 from speculators_train.distributed import process_state
 from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_bytes, atomic_write_json, read_json, remove_stale_temporaries
@@ -147,7 +147,7 @@ def process_chunk(recipe: Recipe, target: Target, chunk: list[Conversation], see
     data = recipe.data
     if data.regenerate.enabled:
         chunk = regenerate(chunk, target.model, target.tokenizer, data.regenerate, data.max_length, seed)
-    rendered = [render(c, target.tokenizer, data.max_length, data.overlong, skips) for c in chunk]
+    rendered = render_many(chunk, target.tokenizer, data.max_length, data.overlong, skips)
     samples = [s for s in rendered if s is not None]
     dtype = DTYPES[recipe.generation.storage_dtype]
     return ChunkResult(capture(target, samples, recipe.generation.max_tokens_per_batch, dtype), skips)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from speculators_train.data.render import render
+from speculators_train.data.render import render_many
 from speculators_train.errors import UserError
 from speculators_train.hidden_states.generator import (
     chunk_seed,
@@ -164,8 +164,8 @@ def token_frequencies(recipe: Recipe, splits, tokenizer, vocab_size: int) -> tor
 
     freq = torch.zeros(vocab_size, dtype=torch.int64)
     data = recipe.data
-    for conv in splits.train:
-        sample = render(conv, tokenizer, data.max_length, data.overlong, SkipReport())
-        if sample is not None:
-            freq += torch.bincount(sample.input_ids[sample.loss_mask], minlength=vocab_size)
+    for chunk in chunks(splits.train, 1024):
+        for sample in render_many(chunk, tokenizer, data.max_length, data.overlong, SkipReport()):
+            if sample is not None:
+                freq += torch.bincount(sample.input_ids[sample.loss_mask], minlength=vocab_size)
     return freq
