@@ -1,5 +1,6 @@
 """The verify loop with the real SmolLM2 target on real prompts: exactness, cache bookkeeping, EOS/limits, scoring."""
 
+import copy
 import json
 import re
 
@@ -122,6 +123,61 @@ def test_draft_cache_rolled_back_and_extended_matches_a_fresh_prefill(target, ra
     assert incremental.committed == fresh.committed == len(ids) - 1
     torch.testing.assert_close(incremental.logits, fresh.logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(incremental.cache.keys, fresh.cache.keys, rtol=1e-4, atol=1e-4)
+
+
+class FirstTokens(Eagle3Proposer):
+    """Records, for every chain, how many target states were committed and the draft's first token; every
+    other chain it offers the target's own next tokens instead (`reference`), so the loop commits several
+    states at once after full acceptance."""
+
+    def __init__(self, draft, reference: list[int]) -> None:
+        super().__init__(draft)
+        self.reference = reference
+        self.first: list[tuple[int, int]] = []
+
+    def propose_chain(self, k, sampling, generator):
+        tokens, q = super().propose_chain(k, sampling, generator)
+        self.first.append((self.committed, tokens[0]))
+        forced = self.reference[self.committed + 1 : self.committed + 1 + k]  # x_{c+1}: after the pending token
+        if len(self.first) % 2 and len(forced) == k:
+            tokens = forced
+        return tokens, q
+
+
+def test_the_loop_drafts_what_training_teaches_at_the_same_positions(target, random_draft, prompts, references):
+    """Every chain's first token is the teacher-forced TTT step-0 argmax over the final sequence: the loop feeds
+    the draft the same (token, state, position) triples training aligns, whether it commits one token or
+    several. A shift here only lowers acceptance, which no exactness test sees."""
+    draft = copy.deepcopy(random_draft)
+    with torch.no_grad():  # unit-gain random layers and a small residual: token and context steer the guess
+        for name, p in draft.named_parameters():
+            if p.dim() == 2 and name != "embed_tokens.weight":
+                p.normal_(0, p.shape[1] ** -0.5)
+        draft.fc.weight.mul_(1e-2)
+    proposer = FirstTokens(draft, prompts[0] + references[0])
+    out = SpeculativeDecoder(target, proposer, GREEDY, 3).generate(prompts[0], 40, eos_ids(target))
+    assert out.tokens == references[0] and max(out.accepted) == 3
+    ids = prompts[0] + out.tokens
+    seq = torch.tensor([ids])
+    with torch.no_grad():
+        aux, _ = target.hidden_states(seq, torch.ones_like(seq))
+        logits = draft.ttt_forward(seq[:, 1:], aux[:, :-1], torch.arange(1, len(ids))[None], 1)[0][0]
+    taught = proposer.targets[logits.argmax(-1)]  # index j: the draft's guess for x_{j+2}
+    # The same draft committing 1-4 target states at a time, as the loop does after partial acceptance.
+    proposer.reset()
+    c = len(prompts[0]) - 1
+    proposer.extend(ids[1 : c + 1], aux[0, :c])
+    for m in [3, 1, 4, 2] * 8:
+        if c + m >= len(ids) - 1:
+            break
+        proposer.propose_chain(2, GREEDY, None)  # speculated and thrown away by the next extend
+        proposer.extend(ids[c + 1 : c + 1 + m], aux[0, c : c + m])
+        c += m
+        proposer.propose_chain(1, GREEDY, None)
+    checked = [(c, token) for c, token in proposer.first if c + 1 < len(ids)]
+    assert len(checked) >= 20
+    assert [token for _, token in checked] == [int(taught[c - 1]) for c, _ in checked]
+    assert len(set(token for _, token in checked)) > 3  # the guesses vary: the inputs steer them
 
 
 def test_tree_nodes_see_only_their_ancestors(target, random_draft, prompts):
