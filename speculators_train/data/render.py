@@ -90,7 +90,17 @@ def render_many(
     return out
 
 
-def _sample(conv, tokenizer, text, ids, offsets, max_length, overlong, report) -> Sample | None:
+def _sample(
+    conv: Conversation,
+    tokenizer,
+    text: str,
+    ids: list[int],
+    offsets: list[tuple[int, int]],
+    max_length: int,
+    overlong: str,
+    report: SkipReport,
+) -> Sample | None:
+    """One encoded conversation: truncate or drop, then mask the assistant spans inside what is kept."""
     if len(ids) > max_length:
         if overlong == "drop":
             report.skip("overlong", f"{conv.origin} ({len(ids)} > {max_length} tokens)")
