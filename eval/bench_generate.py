@@ -36,7 +36,7 @@ from rich.table import Table
 
 from speculators_train.data.conversations import SkipReport
 from speculators_train.data.mix import Splits
-from speculators_train.data.render import render
+from speculators_train.data.render import render_many
 from speculators_train.hidden_states import generator
 from speculators_train.recipe import Recipe, load_recipe
 from speculators_train.target import Target, load_target
@@ -65,7 +65,7 @@ def _forward_batches(recipe: Recipe, target: Target, splits: Splits) -> Iterator
     data = recipe.data
     for chunk in generator.chunks(splits.train, recipe.generation.samples_per_shard):
         skips = SkipReport()
-        rendered = [render(c, target.tokenizer, data.max_length, data.overlong, skips) for c in chunk]
+        rendered = render_many(chunk, target.tokenizer, data.max_length, data.overlong, skips)
         samples = [s for s in rendered if s is not None]
         max_tokens = recipe.generation.max_tokens_per_batch
         for _, lengths, ids, attention in generator.padded_batches(samples, max_tokens, target.device):
