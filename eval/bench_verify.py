@@ -4,12 +4,13 @@
     .venv/bin/python eval/bench_verify.py --ks 3,5,7 --temperatures 0,1 --prompts 12 --max-new-tokens 96
     .venv/bin/python eval/bench_verify.py --recipe recipes/medusa.yaml --ks 3,4     # Medusa: chain, both trees
 
-On one suite (default: the recipe's first), decodes the same prompts target-only once per temperature (the
-baseline), then speculatively with each chain K (at most one per Medusa head) and with the recipe's tree (for
-Medusa both the dynamic tree and the one measured from per-head accuracies), and finally with an oracle draft (the
-target's own greedy tokens: acceptance length K+1), which shows the ceiling this machine allows. Every run is
-preceded by an untimed warm-up; `--set eval.cpu_packed_weights=false` measures the CPU verify passes without
-weights packed for their width. Prints one JSON line per setting and a table with where the time goes.
+On one suite (default: the recipe's first), decodes each prompt target-only (the baseline) and then, back to
+back so that machine noise hits them alike, speculatively with each chain K (at most one per Medusa head), with
+the recipe's tree (for Medusa both the dynamic tree and the one measured from per-head accuracies) and, greedy
+only, with an oracle draft (the target's own tokens: acceptance length K+1), which shows the ceiling this machine
+allows. Each temperature starts with an untimed warm-up; `--set eval.cpu_packed_weights=false` measures the CPU
+verify passes without weights packed for their width. Prints one JSON line per setting and a table with where
+the time goes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -25,16 +27,15 @@ from tqdm import tqdm
 
 from speculators_train.models.medusa import MedusaDraft
 from speculators_train.recipe import load_recipe, parse_overrides
-from speculators_train.target import load_target
-from speculators_train.verify.decoder import SpeculativeDecoder
+from speculators_train.target import Target, load_target
+from speculators_train.verify.decoder import Generation, SpeculativeDecoder
 from speculators_train.verify.proposers import OracleProposer, TreeSpec
 from speculators_train.verify.report import score
 from speculators_train.verify.run import (
-    eos_ids,
     load_draft_for,
     proposer_for,
-    run_baseline,
-    run_speculative,
+    reuse,
+    run_paired,
     shape_of,
     verify_packing,
     warm_up,
@@ -43,6 +44,11 @@ from speculators_train.verify.sampling import Sampling
 from speculators_train.verify.suites import load_suite
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def oracle(target: Target, k: int) -> Callable[[list[int], Generation], SpeculativeDecoder]:
+    """Per prompt, a greedy decoder whose draft proposes the target's own next tokens (from the baseline)."""
+    return lambda ids, base: SpeculativeDecoder(target, OracleProposer(ids + base.tokens), Sampling(), k)
 
 
 def main() -> None:
@@ -70,28 +76,26 @@ def main() -> None:
             settings = recipe.model_copy(deep=True)
             settings.eval.mode, settings.eval.tree.shape = "tree", tree_shape
             shapes.append(shape_of(settings, draft, resolved))
-    packing = recipe.eval.cpu_packed_weights
+    oracle_k = 5
+    widths = [(k, tree) for _, k, tree in shapes] + [(oracle_k, None)]
     records = []
-    for temperature in map(float, args.temperatures.split(",")):
-        sampling = Sampling(temperature, recipe.eval.top_p)
-        runs = len(shapes) + 1 + (temperature == 0)
-        with tqdm(total=runs * len(suite.prompts), unit="prompt", desc=f"T={temperature:g}") as bar:
-            warm_up(target, SpeculativeDecoder(target, proposer_for(draft, target), sampling, ks[-1]), suite)
-            baseline = run_baseline(target, suite, args.max_new_tokens, sampling, recipe.seed, bar)
-            for shape, k, tree in shapes:
-                decoder = SpeculativeDecoder(target, proposer_for(draft, target), sampling, k, tree)
-                with verify_packing(target, k, tree, packing):
-                    spec = run_speculative(decoder, target, suite, args.max_new_tokens, recipe.seed, bar)
-                records.append(score(suite.config.name, shape, k, temperature, recipe.eval.top_p, spec, baseline))
+    with verify_packing(target, widths, recipe.eval.cpu_packed_weights):
+        for temperature in map(float, args.temperatures.split(",")):
+            sampling = Sampling(temperature, recipe.eval.top_p)
+            labels = [(shape, k) for shape, k, _ in shapes]
+            decoders = [
+                reuse(SpeculativeDecoder(target, proposer_for(draft, target), sampling, k, tree))
+                for _, k, tree in shapes
+            ]
             if temperature == 0:  # the ceiling: a draft that is always right
-                oracle = []
-                with verify_packing(target, 5, None, packing):
-                    for prompt, base in zip(suite.prompts, baseline, strict=True):
-                        proposer = OracleProposer(prompt.ids + base.tokens)
-                        decoder = SpeculativeDecoder(target, proposer, sampling, 5)
-                        oracle.append(decoder.generate(prompt.ids, args.max_new_tokens, eos_ids(target)))
-                        bar.update(1)
-                records.append(score(suite.config.name, "oracle chain(K=5)", 5, 0.0, 1.0, oracle, baseline))
+                labels.append((f"oracle chain(K={oracle_k})", oracle_k))
+                decoders.append(oracle(target, oracle_k))
+            with tqdm(total=(len(decoders) + 1) * len(suite.prompts), unit="prompt", desc=f"T={temperature:g}") as bar:
+                warm_up(target, SpeculativeDecoder(target, proposer_for(draft, target), sampling, ks[-1]), suite)
+                baseline, runs = run_paired(target, suite, args.max_new_tokens, sampling, recipe.seed, bar, decoders)
+            for (shape, k), spec in zip(labels, runs, strict=True):
+                top_p = 1.0 if shape.startswith("oracle") else recipe.eval.top_p
+                records.append(score(suite.config.name, shape, k, temperature, top_p, spec, baseline))
     for record in records:
         record.pop("per_prompt_acceptance_length")
         record.update(device=str(target.model.device), draft=str(draft_path), max_new_tokens=args.max_new_tokens)

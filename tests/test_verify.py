@@ -1,11 +1,13 @@
 """The verify loop with the real SmolLM2 target on real prompts: exactness, cache bookkeeping, EOS/limits, scoring."""
 
 import copy
+import io
 import json
 import re
 
 import pytest
 import torch
+from tqdm import tqdm
 from transformers import LlamaConfig
 
 from speculators_train.errors import UserError
@@ -377,3 +379,46 @@ def test_the_general_chat_suite_leaves_out_what_the_coding_suite_selects(tmp_pat
     assert len(chat.prompts) == 32
     assert not any(coding.search(m["content"]) for p in chat.prompts for m in p.messages if m["role"] == "user")
     assert all(coding.search(next(m["content"] for m in p.messages if m["role"] == "user")) for p in code.prompts)
+
+
+def test_paired_runs_put_every_setting_right_after_its_prompts_baseline_with_its_seed(target, prompts, monkeypatch):
+    """A slow spell on a shared machine must hit a prompt's baseline and its speculative runs alike, so they run
+    back to back, prompt by prompt; each setting sees that prompt's own baseline (the oracle replays it: AL K+1)
+    and every run of prompt i samples from seed + i."""
+    import speculators_train.verify.run as run
+    from speculators_train.data.conversations import SkipReport
+    from speculators_train.verify.suites import Prompt, Suite, SuiteConfig
+
+    events = []
+    plain = run.decode_plain
+
+    def recorded_plain(target, ids, max_new, eos, sampling, g):
+        events.append(("target-only", prompts.index(ids), g.initial_seed()))
+        return plain(target, ids, max_new, eos, sampling, g)
+
+    def oracle(name):
+        def pick(ids, base):
+            decoder = SpeculativeDecoder(target, OracleProposer(ids + base.tokens), GREEDY, 3)
+            generate = decoder.generate
+
+            def recorded(ids_, max_new, eos, g):
+                events.append((name, prompts.index(ids_), g.initial_seed()))
+                return generate(ids_, max_new, eos, g)
+
+            decoder.generate = recorded
+            return decoder
+
+        return pick
+
+    monkeypatch.setattr(run, "decode_plain", recorded_plain)
+    listed = [Prompt(str(i), p, []) for i, p in enumerate(prompts)]
+    suite = Suite(SuiteConfig(name="paired"), REPO, listed, SkipReport())
+    bar = tqdm(file=io.StringIO())
+    baseline, runs = run.run_paired(target, suite, 12, GREEDY, 7, bar, [oracle("a"), oracle("b")])
+    assert events == [(name, i, 7 + i) for i in (0, 1) for name in ("target-only", "a", "b")]
+    assert bar.n == 6
+    for i, prompt in enumerate(prompts):
+        assert baseline[i].tokens == plain(target, prompt, 12, eos_ids(target), GREEDY).tokens
+        for generations in runs:
+            assert generations[i].tokens == baseline[i].tokens
+            assert all(a == 3 for a in generations[i].accepted[:-1])

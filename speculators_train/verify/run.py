@@ -1,8 +1,8 @@
 """`speculators-train verify`: score a draft with the real target on the recipe's eval suites.
 
-For each suite and temperature: target-only decoding (the baseline, same KV cache and prefill), then speculative
-decoding of the same prompts with the same per-prompt seeds. Results land in <run dir>/verify/<timestamp>/ with
-the exact recipe used.
+For each suite and temperature, prompt by prompt: target-only decoding (the baseline, same KV cache and prefill),
+then speculative decoding of the same prompt with the same seed (see `run_paired`). Results land in
+<run dir>/verify/<timestamp>/ with the exact recipe used.
 """
 
 from __future__ import annotations
@@ -82,29 +82,53 @@ def eos_ids(target: Target) -> set[int]:
     return {i for i in ids if i is not None}
 
 
-def _run_prompts(
-    target: Target, suite: Suite, seed: int, bar: tqdm, decode: Callable[[list[int], torch.Generator], Generation]
-) -> list[Generation]:
-    """Prompt i gets generator seed `seed + i` on every path, so baseline and speculative runs sample alike."""
-    out = []
-    for i, prompt in enumerate(suite.prompts):
-        out.append(decode(prompt.ids, torch.Generator(device=target.model.device).manual_seed(seed + i)))
-        bar.update(1)
-    return out
-
-
-def run_baseline(
-    target: Target, suite: Suite, max_new: int, sampling: Sampling, seed: int, bar: tqdm
-) -> list[Generation]:
-    eos = eos_ids(target)
-    return _run_prompts(target, suite, seed, bar, lambda ids, g: decode_plain(target, ids, max_new, eos, sampling, g))
+def _seeded(target: Target, seed: int) -> torch.Generator:
+    return torch.Generator(device=target.model.device).manual_seed(seed)
 
 
 def run_speculative(
     decoder: SpeculativeDecoder, target: Target, suite: Suite, max_new: int, seed: int, bar: tqdm
 ) -> list[Generation]:
+    """Prompt i gets generator seed `seed + i`, as in `run_paired`."""
     eos = eos_ids(target)
-    return _run_prompts(target, suite, seed, bar, lambda ids, g: decoder.generate(ids, max_new, eos, g))
+    out = []
+    for i, prompt in enumerate(suite.prompts):
+        out.append(decoder.generate(prompt.ids, max_new, eos, _seeded(target, seed + i)))
+        bar.update(1)
+    return out
+
+
+def reuse(decoder: SpeculativeDecoder) -> Callable[[list[int], Generation], SpeculativeDecoder]:
+    """The same decoder for every prompt of `run_paired` (which lets a setting pick one per prompt)."""
+    return lambda ids, base: decoder
+
+
+def run_paired(
+    target: Target,
+    suite: Suite,
+    max_new: int,
+    sampling: Sampling,
+    seed: int,
+    bar: tqdm,
+    decoders: list[Callable[[list[int], Generation], SpeculativeDecoder]],
+) -> tuple[list[Generation], list[list[Generation]]]:
+    """Target-only decoding (the baseline: same KV cache and prefill) and each speculative decoder, prompt by
+    prompt: prompt i is decoded target-only and then by every decoder back to back, all with generator seed
+    `seed + i`. Paired in time, a slow spell on a shared machine slows a prompt's baseline and its speculative
+    runs alike; a baseline timed once before every setting turned one such spell into a 1.6x "speedup" that a
+    rerun measured at 1.0x. Each decoder is picked from the prompt ids and that prompt's baseline (an oracle
+    replays it). Returns the baseline and one list of generations per decoder."""
+    eos = eos_ids(target)
+    baseline: list[Generation] = []
+    runs: list[list[Generation]] = [[] for _ in decoders]
+    for i, prompt in enumerate(suite.prompts):
+        base = decode_plain(target, prompt.ids, max_new, eos, sampling, _seeded(target, seed + i))
+        baseline.append(base)
+        bar.update(1)
+        for pick, out in zip(decoders, runs, strict=True):
+            out.append(pick(prompt.ids, base).generate(prompt.ids, max_new, eos, _seeded(target, seed + i)))
+            bar.update(1)
+    return baseline, runs
 
 
 def warm_up(target: Target, decoder: SpeculativeDecoder, suite: Suite) -> None:
@@ -115,9 +139,12 @@ def warm_up(target: Target, decoder: SpeculativeDecoder, suite: Suite) -> None:
     decoder.generate(prompt, 8, set(), torch.Generator(device=target.model.device))
 
 
-def verify_packing(target: Target, k: int, tree: TreeSpec | None, enabled: bool) -> contextlib.AbstractContextManager:
-    """The target's linears packed for this shape's verify passes (CPU float32 only; see `verify.packed`)."""
-    return packed_linears(target.model, [verify_width(k, tree)] if enabled else [])
+def verify_packing(
+    target: Target, shapes: list[tuple[int, TreeSpec | None]], enabled: bool
+) -> contextlib.AbstractContextManager:
+    """The target's linears packed for the verify passes of these (K, tree) shapes (CPU float32 only; see
+    `verify.packed`): one extra copy of the linear weights per distinct verify width."""
+    return packed_linears(target.model, sorted({verify_width(k, tree) for k, tree in shapes}) if enabled else [])
 
 
 def shape_of(recipe: Recipe, draft: Eagle3Draft | MedusaDraft, checkpoint: Path) -> tuple[str, int, TreeSpec | None]:
@@ -155,17 +182,18 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
     shape, k, tree = shape_of(recipe, draft, checkpoint)
     total = 2 * sum(len(s.prompts) for s in suites) * len(ev.temperatures)
     records = []
-    with verify_packing(target, k, tree, ev.cpu_packed_weights), tqdm(total=total, unit="prompt", desc="verify") as bar:
+    packing = verify_packing(target, [(k, tree)], ev.cpu_packed_weights)
+    with packing, tqdm(total=total, unit="prompt", desc="verify") as bar:
         for suite in suites:
             max_new = ev.max_new_tokens or suite.config.max_new_tokens
             for temperature in ev.temperatures:
                 sampling = Sampling(temperature, ev.top_p)
                 decoder = SpeculativeDecoder(target, proposer_for(draft, target), sampling, k, tree)
                 warm_up(target, decoder, suite)
-                bar.set_postfix(suite=suite.config.name, T=temperature, run="target-only")
-                baseline = run_baseline(target, suite, max_new, sampling, recipe.seed, bar)
                 bar.set_postfix(suite=suite.config.name, T=temperature, run=shape)
-                speculative = run_speculative(decoder, target, suite, max_new, recipe.seed, bar)
+                baseline, (speculative,) = run_paired(
+                    target, suite, max_new, sampling, recipe.seed, bar, [reuse(decoder)]
+                )
                 record = score(suite.config.name, shape, k, temperature, ev.top_p, speculative, baseline)
                 record["draft"] = str(draft_path)
                 record["checkpoint"] = str(checkpoint)
