@@ -82,19 +82,22 @@ def main() -> None:
     with verify_packing(target, widths, recipe.eval.cpu_packed_weights):
         for temperature in map(float, args.temperatures.split(",")):
             sampling = Sampling(temperature, recipe.eval.top_p)
-            labels = [(shape, k) for shape, k, _ in shapes]
-            decoders = [
-                reuse(SpeculativeDecoder(target, proposer_for(draft, target), sampling, k, tree))
-                for _, k, tree in shapes
+            settings = [  # (shape, K, top_p, decoder per prompt)
+                (
+                    shape,
+                    k,
+                    sampling.top_p,
+                    reuse(SpeculativeDecoder(target, proposer_for(draft, target), sampling, k, tree)),
+                )
+                for shape, k, tree in shapes
             ]
             if temperature == 0:  # the ceiling: a draft that is always right
-                labels.append((f"oracle chain(K={oracle_k})", oracle_k))
-                decoders.append(oracle(target, oracle_k))
+                settings.append((f"oracle chain(K={oracle_k})", oracle_k, 1.0, oracle(target, oracle_k)))
+            decoders = [pick for *_, pick in settings]
             with tqdm(total=(len(decoders) + 1) * len(suite.prompts), unit="prompt", desc=f"T={temperature:g}") as bar:
                 warm_up(target, SpeculativeDecoder(target, proposer_for(draft, target), sampling, ks[-1]), suite)
                 baseline, runs = run_paired(target, suite, args.max_new_tokens, sampling, recipe.seed, bar, decoders)
-            for (shape, k), spec in zip(labels, runs, strict=True):
-                top_p = 1.0 if shape.startswith("oracle") else recipe.eval.top_p
+            for (shape, k, top_p, _), spec in zip(settings, runs, strict=True):
                 records.append(score(suite.config.name, shape, k, temperature, top_p, spec, baseline))
     for record in records:
         record.pop("per_prompt_acceptance_length")
