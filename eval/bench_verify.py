@@ -3,14 +3,15 @@
     .venv/bin/python eval/bench_verify.py                                   # recipes/eagle3.yaml, its best draft
     .venv/bin/python eval/bench_verify.py --ks 3,5,7 --temperatures 0,1 --prompts 12 --max-new-tokens 96
     .venv/bin/python eval/bench_verify.py --recipe recipes/medusa.yaml --ks 3,4     # Medusa: chain, both trees
+    .venv/bin/python eval/bench_verify.py --ks 1 --trees 4x1x4,4x2x8,4x5x24        # small trees for a CPU
 
 On one suite (default: the recipe's first), decodes each prompt target-only (the baseline) and then, back to
 back so that machine noise hits them alike, speculatively with each chain K (at most one per Medusa head), with
-the recipe's tree (for Medusa both the dynamic tree and the one measured from per-head accuracies) and, greedy
-only, with an oracle draft (the target's own tokens: acceptance length K+1), which shows the ceiling this machine
-allows. Each temperature starts with an untimed warm-up; `--set eval.cpu_packed_weights=false` measures the CPU
-verify passes without weights packed for their width. Prints one JSON line per setting and a table with where
-the time goes.
+each `--trees` shape or else the recipe's tree (for Medusa both the dynamic tree and the one measured from
+per-head accuracies) and, greedy only, with an oracle draft (the target's own tokens: acceptance length K+1),
+which shows the ceiling this machine allows. Each temperature starts with an untimed warm-up;
+`--set eval.cpu_packed_weights=false` measures the CPU verify passes without weights packed for their width.
+Prints one JSON line per setting and a table with where the time goes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from speculators_train.recipe import load_recipe, parse_overrides
 from speculators_train.target import Target, load_target
 from speculators_train.verify.decoder import Generation, SpeculativeDecoder
 from speculators_train.verify.proposers import OracleProposer, TreeSpec
-from speculators_train.verify.report import score
+from speculators_train.verify.report import score, speedup_cell
 from speculators_train.verify.run import (
     load_draft_for,
     proposer_for,
@@ -60,6 +61,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--no-tree", action="store_true")
+    parser.add_argument(
+        "--trees",
+        help="EAGLE-3 dynamic trees as TOP_KxDEPTHxBUDGET, comma-separated (e.g. 4x5x24,4x2x8); default: the recipe's",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     recipe = load_recipe(args.recipe, parse_overrides(args.set))
@@ -71,7 +76,15 @@ def main() -> None:
     heads = draft.config.num_heads if isinstance(draft, MedusaDraft) else None
     ks = sorted({min(int(k), heads or int(k)) for k in args.ks.split(",")})
     shapes: list[tuple[str, int, TreeSpec | None]] = [(f"chain(K={k})", k, None) for k in ks]
-    if not args.no_tree:
+    if args.trees:
+        for spec in args.trees.split(","):
+            fields = spec.lower().split("x")
+            if len(fields) != 3 or not all(f.isdigit() and int(f) > 0 for f in fields):
+                parser.error(f"--trees: {spec!r} is not TOP_KxDEPTHxBUDGET with three positive integers")
+            top_k, depth, budget = map(int, fields)
+            tree = TreeSpec(top_k, min(depth, heads or depth), budget)
+            shapes.append((tree.describe(), tree.depth, tree))
+    elif not args.no_tree:
         for tree_shape in ("dynamic", "measured") if heads else ("dynamic",):
             settings = recipe.model_copy(deep=True)
             settings.eval.mode, settings.eval.tree.shape = "tree", tree_shape
@@ -79,7 +92,7 @@ def main() -> None:
     oracle_k = 5
     widths = [(k, tree) for _, k, tree in shapes] + [(oracle_k, None)]
     records = []
-    with verify_packing(target, widths, recipe.eval.cpu_packed_weights):
+    with verify_packing(target, draft, widths, recipe.eval.cpu_packed_weights):
         for temperature in map(float, args.temperatures.split(",")):
             sampling = Sampling(temperature, recipe.eval.top_p)
             settings = [  # (shape, K, top_p, decoder per prompt)
@@ -104,7 +117,16 @@ def main() -> None:
         record.update(device=str(target.model.device), draft=str(draft_path), max_new_tokens=args.max_new_tokens)
         print(json.dumps(record))
     table = Table(title=f"{suite.config.name}: {len(suite.prompts)} prompts x {args.max_new_tokens} new tokens")
-    for column in ("shape", "T", "AL", "per-position", "target tok/s", "spec tok/s", "speedup", "draft/verify/other s"):
+    for column in (
+        "shape",
+        "T",
+        "AL",
+        "per-position",
+        "target tok/s",
+        "spec tok/s",
+        "speedup (prompt IQR)",
+        "draft/verify/other s",
+    ):
         table.add_column(column, justify="right")
     for r in records:
         s = r["seconds"]
@@ -115,7 +137,7 @@ def main() -> None:
             " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]),
             f"{r['target_only_tokens_per_s']:.1f}",
             f"{r['speculative_tokens_per_s']:.1f}",
-            f"{r['speedup']:.2f}x",
+            speedup_cell(r),
             f"{s['spec_draft']:.1f}/{s['spec_verify']:.1f}/{s['spec_prefill'] + s['spec_bookkeeping']:.1f}",
         )
     Console(file=sys.stderr).print(table)

@@ -216,8 +216,8 @@ class EvalConfig(Section):
     max_new_tokens: int | None = Field(None, gt=0, description="Override every suite's generation length.")
     cpu_packed_weights: bool = Field(
         True,
-        description="float32 targets on CPU: verify on a copy of the linear weights packed for the verify width "
-        "(about 1.5x faster verify passes; one more copy of the weights in RAM).",
+        description="float32 on CPU: decode (baseline and speculative) on a copy of the target's and draft's "
+        "linear weights packed for oneDNN (about 2x faster steps; one more copy of the weights in RAM).",
     )
 
     @field_validator("temperatures")

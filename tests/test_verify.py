@@ -94,12 +94,14 @@ def test_greedy_speculative_output_is_the_targets_own(target, prompts, reference
 
 
 @pytest.mark.parametrize("tree", [None, TreeSpec(top_k=3, depth=4, budget=10)], ids=["chain", "tree"])
-def test_greedy_output_is_unchanged_on_weights_packed_for_the_verify_width(target, prompts, references, tree):
-    """What `verify` runs on CPU by default: packing changes the GEMM kernel, never the tokens."""
+def test_greedy_output_is_unchanged_on_packed_weights(target, prompts, references, tree):
+    """What `verify` runs on CPU by default: packing changes the GEMM kernel, never the tokens, of the baseline
+    or of speculative decoding."""
     eos = eos_ids(target)
-    with packed_linears(target.model, [verify_width(5, tree)]) as packed:
+    with packed_linears([target.model], verify_width(5, tree)) as packed:
         assert packed == available(target.model)
         for prompt, reference in zip(prompts, references, strict=True):
+            assert decode_plain(target, prompt, 40, eos, GREEDY).tokens == reference
             result = SpeculativeDecoder(target, NoisyOracle(prompt + reference), GREEDY, 5, tree).generate(
                 prompt, 40, eos
             )

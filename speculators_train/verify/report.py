@@ -11,6 +11,7 @@ sampler counts it), so the last step of a sequence may count drafts that were no
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,12 @@ def acceptance(accepted: list[int], k: int) -> dict[str, Any]:
     }
 
 
+def _quartiles(values: list[float]) -> list[float]:
+    if len(values) < 2:
+        return values * 3
+    return statistics.quantiles(values, n=4, method="inclusive")
+
+
 def score(
     suite: str,
     shape: str,
@@ -39,7 +46,9 @@ def score(
     speculative: list[Generation],
     baseline: list[Generation],
 ) -> dict[str, Any]:
-    """One suite x setting record. Times are sums over the prompts; tokens/s = tokens / wall time."""
+    """One suite x setting record. Times are sums over the prompts; tokens/s = tokens / wall time. The quartiles
+    of the per-prompt speedups (each prompt against its own baseline, run next to it) show how much of the overall
+    speedup is spread between prompts and machine noise rather than the draft."""
     accepted = [a for g in speculative for a in g.accepted]
     spec_tokens = sum(len(g.tokens) for g in speculative)
     base_tokens = sum(len(g.tokens) for g in baseline)
@@ -65,6 +74,12 @@ def score(
         "target_only_tokens_per_s": base_rate,
         "speculative_tokens_per_s": spec_rate,
         "speedup": spec_rate / base_rate,
+        "per_prompt_speedup_quartiles": _quartiles(
+            [
+                (len(g.tokens) / g.seconds) / (len(b.tokens) / b.seconds)
+                for g, b in zip(speculative, baseline, strict=True)
+            ]
+        ),
         "seconds": {"speculative": spec_s, "target_only": base_s, **{f"spec_{name}": v for name, v in phases.items()}},
     }
     if temperature == 0:
@@ -73,10 +88,16 @@ def score(
     return record
 
 
+def speedup_cell(record: dict[str, Any]) -> str:
+    """'1.29x (1.10-1.41)': the overall speedup and the per-prompt lower and upper quartiles."""
+    low, _, high = record["per_prompt_speedup_quartiles"]
+    return f"{record['speedup']:.2f}x ({low:.2f}-{high:.2f})"
+
+
 def markdown(records: list[dict[str, Any]]) -> str:
     head = (
         "| suite | shape | T | prompts | AL | per-position acceptance | draft acc. rate | steps "
-        "| target-only tok/s | spec tok/s | speedup | draft / verify / other s | greedy identical |\n"
+        "| target-only tok/s | spec tok/s | speedup (prompt IQR) | draft / verify / other s | greedy identical |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
@@ -87,7 +108,7 @@ def markdown(records: list[dict[str, Any]]) -> str:
             f"| {r['suite']} | {r['shape']} | {r['temperature']:g} | {r['prompts']} | {r['acceptance_length']:.2f} "
             f"| {' '.join(f'{x:.2f}' for x in r['per_position_acceptance'])} | {r['draft_acceptance_rate']:.3f} "
             f"| {r['steps']} | {r['target_only_tokens_per_s']:.1f} | {r['speculative_tokens_per_s']:.1f} "
-            f"| {r['speedup']:.2f}x | {s['spec_draft']:.1f} / {s['spec_verify']:.1f} / {other:.1f} "
+            f"| {speedup_cell(r)} | {s['spec_draft']:.1f} / {s['spec_verify']:.1f} / {other:.1f} "
             f"| {r.get('greedy_identical_outputs', '-')} |"
         )
     return head + "\n".join(rows) + "\n"

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import yaml
+from torch import nn
 from tqdm import tqdm
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -140,11 +141,13 @@ def warm_up(target: Target, decoder: SpeculativeDecoder, suite: Suite) -> None:
 
 
 def verify_packing(
-    target: Target, shapes: list[tuple[int, TreeSpec | None]], enabled: bool
+    target: Target, draft: nn.Module, shapes: list[tuple[int, TreeSpec | None]], enabled: bool
 ) -> contextlib.AbstractContextManager:
-    """The target's linears packed for the verify passes of these (K, tree) shapes (CPU float32 only; see
-    `verify.packed`): one extra copy of the linear weights per distinct verify width."""
-    return packed_linears(target.model, sorted({verify_width(k, tree) for k, tree in shapes}) if enabled else [])
+    """The target's and the draft's linears on oneDNN-packed weights (CPU float32 only; see `verify.packed`), tuned
+    for the widest verify pass of these (K, tree) shapes, for the baseline and the speculative runs alike. The
+    draft must not be trained inside the block."""
+    rows = max(verify_width(k, tree) for k, tree in shapes)
+    return packed_linears([target.model, draft] if enabled else [], rows)
 
 
 def shape_of(recipe: Recipe, draft: Eagle3Draft | MedusaDraft, checkpoint: Path) -> tuple[str, int, TreeSpec | None]:
@@ -182,7 +185,7 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
     shape, k, tree = shape_of(recipe, draft, checkpoint)
     total = 2 * sum(len(s.prompts) for s in suites) * len(ev.temperatures)
     records = []
-    packing = verify_packing(target, [(k, tree)], ev.cpu_packed_weights)
+    packing = verify_packing(target, draft, [(k, tree)], ev.cpu_packed_weights)
     with packing, tqdm(total=total, unit="prompt", desc="verify") as bar:
         for suite in suites:
             max_new = ev.max_new_tokens or suite.config.max_new_tokens
