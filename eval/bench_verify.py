@@ -52,6 +52,17 @@ def oracle(target: Target, k: int) -> Callable[[list[int], Generation], Speculat
     return lambda ids, base: SpeculativeDecoder(target, OracleProposer(ids + base.tokens), Sampling(), k)
 
 
+def tree_sizes(text: str) -> list[tuple[int, ...]]:
+    """'4x5x24,4x1x4' -> [(4, 5, 24), (4, 1, 4)] (top_k, depth, budget)."""
+    out = []
+    for spec in text.split(","):
+        fields = spec.lower().split("x")
+        if len(fields) != 3 or not all(f.isdigit() and int(f) > 0 for f in fields):
+            raise argparse.ArgumentTypeError(f"{spec!r} is not TOP_KxDEPTHxBUDGET with three positive integers")
+        out.append(tuple(map(int, fields)))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "eagle3.yaml"))
@@ -63,6 +74,8 @@ def main() -> None:
     parser.add_argument("--no-tree", action="store_true")
     parser.add_argument(
         "--trees",
+        type=tree_sizes,
+        default=[],
         help="EAGLE-3 dynamic trees as TOP_KxDEPTHxBUDGET, comma-separated (e.g. 4x5x24,4x2x8); default: the recipe's",
     )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -77,13 +90,12 @@ def main() -> None:
     ks = sorted({min(int(k), heads or int(k)) for k in args.ks.split(",")})
     shapes: list[tuple[str, int, TreeSpec | None]] = [(f"chain(K={k})", k, None) for k in ks]
     if args.trees:
-        for spec in args.trees.split(","):
-            fields = spec.lower().split("x")
-            if len(fields) != 3 or not all(f.isdigit() and int(f) > 0 for f in fields):
-                parser.error(f"--trees: {spec!r} is not TOP_KxDEPTHxBUDGET with three positive integers")
-            top_k, depth, budget = map(int, fields)
-            tree = TreeSpec(top_k, min(depth, heads or depth), budget)
-            shapes.append((tree.describe(), tree.depth, tree))
+        for fields in args.trees:
+            settings = recipe.model_copy(deep=True)
+            settings.eval.mode = "tree"
+            tree = settings.eval.tree
+            tree.shape, (tree.top_k, tree.depth, tree.budget) = "dynamic", fields
+            shapes.append(shape_of(settings, draft, resolved))
     elif not args.no_tree:
         for tree_shape in ("dynamic", "measured") if heads else ("dynamic",):
             settings = recipe.model_copy(deep=True)
