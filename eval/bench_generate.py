@@ -11,7 +11,9 @@ of the recipe's data (held-out emptied), split into shard-sized chunks and group
 - generator:   `generator.run_rank` end to end on a temporary output_dir (render, capture, copy to
   CPU in storage_dtype, background shard writes with fsync); target loading is not timed.
 
-Raw phases time only the forwards (inputs are built and moved to the device beforehand). Each phase
+The raw phases run transformers' default kernels; the generator runs the target's linears packed for
+oneDNN on CPU float32 (`target.cpu_packed_weights`; `--set target.cpu_packed_weights=false` compares the
+same kernels). Raw phases time only the forwards (inputs are built and moved to the device beforehand). Each phase
 runs one untimed warm-up batch first. Prints one JSON line on stdout and a table on stderr.
 """
 

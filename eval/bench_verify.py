@@ -10,7 +10,7 @@ back so that machine noise hits them alike, speculatively with each chain K (at 
 each `--trees` shape or else the recipe's tree (for Medusa both the dynamic tree and the one measured from
 per-head accuracies) and, greedy only, with an oracle draft (the target's own tokens: acceptance length K+1),
 which shows the ceiling this machine allows. Each temperature starts with an untimed warm-up;
-`--set eval.cpu_packed_weights=false` measures CPU decoding on the default kernels.
+`--set target.cpu_packed_weights=false` measures CPU decoding on the default kernels.
 Prints one JSON line per setting and a table with where the time goes.
 """
 
@@ -104,7 +104,7 @@ def main() -> None:
     oracle_k = 5
     widths = [(k, tree) for _, k, tree in shapes] + [(oracle_k, None)]
     records = []
-    with verify_packing(target, draft, widths, recipe.eval.cpu_packed_weights):
+    with verify_packing(target, draft, widths):
         for temperature in map(float, args.temperatures.split(",")):
             sampling = Sampling(temperature, recipe.eval.top_p)
             settings = [  # (shape, K, top_p, decoder per prompt)

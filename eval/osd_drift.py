@@ -67,7 +67,7 @@ def real_acceptance(recipe, target, draft, suite: Suite, max_new_tokens: int) ->
     k = recipe.eval.num_speculative_tokens
     decoder = SpeculativeDecoder(target, proposer_for(draft, target), Sampling(0.0), k)
     bar = tqdm(total=len(suite.prompts), unit="prompt", desc="verify loop")
-    with bar, verify_packing(target, draft, [(k, None)], recipe.eval.cpu_packed_weights):
+    with bar, verify_packing(target, draft, [(k, None)]):
         runs = run_speculative(decoder, target, suite, max_new_tokens, recipe.seed, bar)
     steps = [a for run in runs for a in run.accepted]
     return 1 + sum(steps) / len(steps), [run.tokens for run in runs]

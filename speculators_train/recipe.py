@@ -72,6 +72,12 @@ class TargetConfig(Section):
         "default [2, N//2, N-3].",
     )
     trust_remote_code: bool = False
+    cpu_packed_weights: bool = Field(
+        True,
+        description="float32 on CPU: run the target's linears (in verify, the draft's too) on a copy of their "
+        "weights packed for oneDNN: hidden-state capture ~1.7x and decode steps ~2x faster on a 2-core EPYC; "
+        "one more copy of the linear weights in RAM while it runs.",
+    )
 
     @field_validator("device")
     @classmethod
@@ -214,11 +220,6 @@ class EvalConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     num_prompts: int | None = Field(None, gt=0, description="Override every suite's prompt count.")
     max_new_tokens: int | None = Field(None, gt=0, description="Override every suite's generation length.")
-    cpu_packed_weights: bool = Field(
-        True,
-        description="float32 on CPU: decode (baseline and speculative) on a copy of the target's and draft's "
-        "linear weights packed for oneDNN (about 2x faster steps; one more copy of the weights in RAM).",
-    )
 
     @field_validator("temperatures")
     @classmethod

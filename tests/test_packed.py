@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from speculators_train.verify.packed import available, packed_linears
+from speculators_train.packed import available, packed_linears
 
 pytestmark = pytest.mark.skipif(not available(nn.Linear(2, 2)), reason="needs a CPU torch built with oneDNN")
 

@@ -13,10 +13,10 @@ from transformers import LlamaConfig
 from speculators_train.errors import UserError
 from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
 from speculators_train.models.vocab import build_vocab_mapping
+from speculators_train.packed import available, packed_linears
 from speculators_train.recipe import load_recipe
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain, verify_width
-from speculators_train.verify.packed import available, packed_linears
 from speculators_train.verify.proposers import DraftTree, Eagle3Proposer, OracleProposer, TreeSpec
 from speculators_train.verify.run import eos_ids, load_draft_for
 from speculators_train.verify.sampling import Sampling, target_probs

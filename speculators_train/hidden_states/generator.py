@@ -146,7 +146,8 @@ def process_chunk(recipe: Recipe, target: Target, chunk: list[Conversation], see
     skips = SkipReport()
     data = recipe.data
     if data.regenerate.enabled:
-        chunk = regenerate(chunk, target.model, target.tokenizer, data.regenerate, data.max_length, seed)
+        with target.packed(data.regenerate.batch_size):
+            chunk = regenerate(chunk, target.model, target.tokenizer, data.regenerate, data.max_length, seed)
     rendered = render_many(chunk, target.tokenizer, data.max_length, data.overlong, skips)
     samples = [s for s in rendered if s is not None]
     dtype = DTYPES[recipe.generation.storage_dtype]

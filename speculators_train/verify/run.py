@@ -28,7 +28,6 @@ from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
 from speculators_train.target import Target, load_target
 from speculators_train.verify.decoder import Generation, SpeculativeDecoder, decode_plain, verify_width
-from speculators_train.verify.packed import packed_linears
 from speculators_train.verify.proposers import Eagle3Proposer, MedusaProposer, Proposer, TreeSpec, measured_tree
 from speculators_train.verify.report import score, write_outputs
 from speculators_train.verify.sampling import Sampling
@@ -141,13 +140,12 @@ def warm_up(target: Target, decoder: SpeculativeDecoder, suite: Suite) -> None:
 
 
 def verify_packing(
-    target: Target, draft: nn.Module, shapes: list[tuple[int, TreeSpec | None]], enabled: bool
+    target: Target, draft: nn.Module, shapes: list[tuple[int, TreeSpec | None]]
 ) -> contextlib.AbstractContextManager:
-    """The target's and the draft's linears on oneDNN-packed weights (CPU float32 only; see `verify.packed`), tuned
-    for the widest verify pass of these (K, tree) shapes, for the baseline and the speculative runs alike. The
-    draft must not be trained inside the block."""
-    rows = max(verify_width(k, tree) for k, tree in shapes)
-    return packed_linears([target.model, draft] if enabled else [], rows)
+    """The target's and the draft's linears on oneDNN-packed weights (`Target.packed`), tuned for the widest
+    verify pass of these (K, tree) shapes, for the baseline and the speculative runs alike. The draft must not be
+    trained inside the block."""
+    return target.packed(max(verify_width(k, tree) for k, tree in shapes), draft)
 
 
 def shape_of(recipe: Recipe, draft: Eagle3Draft | MedusaDraft, checkpoint: Path) -> tuple[str, int, TreeSpec | None]:
@@ -185,7 +183,7 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
     shape, k, tree = shape_of(recipe, draft, checkpoint)
     total = 2 * sum(len(s.prompts) for s in suites) * len(ev.temperatures)
     records = []
-    packing = verify_packing(target, draft, [(k, tree)], ev.cpu_packed_weights)
+    packing = verify_packing(target, draft, [(k, tree)])
     with packing, tqdm(total=total, unit="prompt", desc="verify") as bar:
         for suite in suites:
             max_new = ev.max_new_tokens or suite.config.max_new_tokens
