@@ -296,9 +296,15 @@ class Recipe(Section):
         return self.run_dir / "hidden_states"
 
 
+# Keys that moved, so a recipe written for an earlier version is told where its setting lives now.
+MOVED_KEYS = {"eval.cpu_packed_weights": "target.cpu_packed_weights"}
+
+
 def _format_error(path: Path, error: dict[str, Any], model: type[BaseModel]) -> str:
     loc = [str(part) for part in error["loc"]]
     key = ".".join(loc) or "<root>"
+    if error["type"] == "extra_forbidden" and key in MOVED_KEYS:
+        return f"{path}: {key}: moved to {MOVED_KEYS[key]}"
     if error["type"] == "extra_forbidden":
         allowed = _allowed_keys(model, loc[:-1])
         hint = difflib.get_close_matches(loc[-1], allowed, n=1)

@@ -36,6 +36,12 @@ def test_typo_names_file_key_and_suggestion(tmp_path):
     assert f"{path}: data.max_lenght: unknown key (did you mean max_length?)" in str(err.value)
 
 
+def test_a_moved_key_names_its_new_place(tmp_path):
+    path = write(tmp_path, "name: x\ndata: {mix: m.yaml}\neval: {cpu_packed_weights: false}\n")
+    with pytest.raises(UserError, match=r"eval\.cpu_packed_weights: moved to target\.cpu_packed_weights"):
+        load_recipe(path)
+
+
 def test_unknown_section_lists_allowed(tmp_path):
     path = write(tmp_path, "name: x\ndata: {mix: m.yaml}\ntraning: {}\n")
     with pytest.raises(UserError, match=r"traning: unknown key \(did you mean training\?\)"):
