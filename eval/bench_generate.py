@@ -32,31 +32,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from rich.console import Console
 from rich.table import Table
 
 from speculators_train.data.conversations import SkipReport
 from speculators_train.data.mix import Splits
 from speculators_train.data.render import render_many
+from speculators_train.errors import run_script
 from speculators_train.hidden_states import generator
-from speculators_train.recipe import Recipe, load_recipe
+from speculators_train.recipe import Recipe, load_recipe, parse_overrides
 from speculators_train.target import Target, load_target
 
 REPO = Path(__file__).resolve().parents[1]
 Batch = tuple[torch.Tensor, torch.Tensor | None, int]  # input_ids, attention mask (None if unpadded), real tokens
 
 
-def _override(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, yaml.safe_load(value)
-
-
 def _setup(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> tuple[Recipe, Splits, Target]:
     """Recipe with overrides, the first `--records` train records (no held-out), and the loaded target."""
-    recipe = load_recipe(args.recipe, {**dict(args.set), **(extra or {})})
+    recipe = load_recipe(args.recipe, {**parse_overrides(args.set), **(extra or {})})
     splits = generator.load_splits(recipe)
     splits = dataclasses.replace(splits, train=splits.train[: args.records], held_out=[])
     return recipe, splits, load_target(recipe.target)
@@ -147,7 +140,7 @@ PHASES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
 
 def _run_child(args: argparse.Namespace, phase: str) -> dict[str, Any]:
     """Run one phase in a fresh interpreter; its last stdout line is its JSON result."""
-    sets = [part for key, value in args.set for part in ("--set", f"{key}={json.dumps(value)}")]
+    sets = [part for pair in args.set for part in ("--set", pair)]
     command = [sys.executable, __file__, "--recipe", args.recipe, "--records", str(args.records), *sets]
     done = subprocess.run([*command, "--phase", phase], stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -174,15 +167,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "eagle3.yaml"))
     parser.add_argument("--records", type=int, default=96, help="train records used (held-out is emptied)")
-    parser.add_argument(
-        "--set", type=_override, action="append", default=[], metavar="KEY=VALUE", help="recipe override"
-    )
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
     parser.add_argument("--phase", choices=list(PHASES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
         print(json.dumps(PHASES[args.phase](args)))
         return
-    recipe = load_recipe(args.recipe, dict(args.set))
+    recipe = load_recipe(args.recipe, parse_overrides(args.set))
     if recipe.data.regenerate.enabled:
         parser.error("data.regenerate.enabled: the raw phases cannot replay regeneration; set it to false")
     results = {phase: _run_child(args, phase) for phase in PHASES}
@@ -214,4 +205,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

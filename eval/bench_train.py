@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from speculators_train.errors import run_script
 from speculators_train.recipe import load_recipe, parse_overrides
 from speculators_train.training.trainer import Trainer
 
@@ -100,4 +100,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

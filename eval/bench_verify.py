@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from speculators_train.errors import run_script
 from speculators_train.models.medusa import MedusaDraft
 from speculators_train.recipe import load_recipe, parse_overrides
 from speculators_train.target import Target, load_target
@@ -156,4 +157,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

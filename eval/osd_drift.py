@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from speculators_train.errors import run_script
 from speculators_train.files import atomic_write_bytes
 from speculators_train.osd.distill import OnlineDistiller, acceptance
 from speculators_train.recipe import load_recipe, parse_overrides
@@ -136,4 +137,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)
