@@ -13,8 +13,8 @@ of the recipe's data (held-out emptied), split into shard-sized chunks and group
 
 The raw phases run transformers' default kernels; the generator runs the target's linears packed for
 oneDNN on CPU float32 (`target.cpu_packed_weights`; `--set target.cpu_packed_weights=false` compares the
-same kernels). Raw phases time only the forwards (inputs are built and moved to the device beforehand). Each phase
-runs one untimed warm-up batch first. Prints one JSON line on stdout and a table on stderr.
+same kernels). Raw phases time only the forwards (inputs are built and moved to the device beforehand).
+Each phase runs one untimed warm-up batch first. Prints one JSON line on stdout and a table on stderr.
 """
 
 from __future__ import annotations
