@@ -267,10 +267,9 @@ class Target:
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Aux states concatenated in id order [B, T, len(ids)*H] and the pre-norm final state [B, T, H].
 
-        Runs the decoder body only: the lm_head (a vocab-sized matmul) is not needed to store states. On CPU
-        float32 its linears run packed for oneDNN (`target.cpu_packed_weights`), offline and online alike.
+        Runs the decoder body only: the lm_head (a vocab-sized matmul) is not needed to store states.
         """
-        with self._packing([self._decoder], input_ids.numel()), self.capture() as store:
+        with self.capture() as store:
             self._decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         aux = torch.cat([store[i] for i in self.aux_layer_ids], dim=-1)
         return aux, store["final"]
@@ -279,10 +278,7 @@ class Target:
         """The target's linears (and those of `others`, e.g. a draft) on oneDNN-packed weights within the block,
         when `target.cpu_packed_weights` is on and the model is float32 on CPU (see `speculators_train.packed`).
         `rows`: the row count to tune for. No-grad forwards only, and no weight may change inside the block."""
-        return self._packing([self.model, *others], rows)
-
-    def _packing(self, models: list[nn.Module], rows: int) -> contextlib.AbstractContextManager[bool]:
-        return packed_linears(models if self.cpu_packed_weights else [], rows)
+        return packed_linears([self.model, *others] if self.cpu_packed_weights else [], rows)
 
     def logits_from_final(self, final: torch.Tensor) -> torch.Tensor:
         """Target logits from a stored pre-norm final state: lm_head(norm(h_N))."""

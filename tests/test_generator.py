@@ -1,5 +1,6 @@
 """The hidden-state generator end to end on the real target and real ShareGPT records."""
 
+import dataclasses
 import errno
 import json
 import os
@@ -13,11 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_bytes
-from speculators_train.hidden_states.generator import generate, iter_online
+from speculators_train.hidden_states.generator import generate, iter_online, load_splits, process_chunk
 from speculators_train.hidden_states.shards import TENSORS, HiddenStateShards, validate
+from speculators_train.packed import available
 from speculators_train.recipe import RegenerateConfig, load_recipe
 from speculators_train.training.sources import OfflineSource
 
@@ -71,6 +74,26 @@ def test_stored_states_equal_an_independent_transformers_forward(generated, targ
             torch.testing.assert_close(stored, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
         final = target.final_norm(sample["hidden_state"])
         torch.testing.assert_close(final, ref.hidden_states[-1][0], rtol=1e-4, atol=1e-4 * float(final.abs().max()))
+
+
+@pytest.mark.skipif(not available(nn.Linear(2, 2)), reason="needs a CPU torch built with oneDNN")
+def test_chunks_capture_on_packed_weights_and_match_the_default_kernels(generated, target, monkeypatch):
+    """Packing (`target.cpu_packed_weights`, on by default) changes only float32 rounding, and is undone after
+    the chunk; off, the default kernels run."""
+    recipe, _ = generated
+    chunk = load_splits(recipe).train[:4]
+    calls = []
+    linear = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or linear(*a))
+    plain = process_chunk(recipe, dataclasses.replace(target, cpu_packed_weights=False), chunk, 0).samples
+    assert not calls
+    packed = process_chunk(recipe, target, chunk, 0).samples
+    assert calls and "forward" not in target.lm_head.__dict__
+    assert [s["id"] for s in packed] == [s["id"] for s in plain] and plain
+    for got, want in zip(packed, plain, strict=True):
+        for key in ("aux_hidden_states", "hidden_state"):
+            scale = float(want[key].abs().max())
+            torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-4 * scale, msg=key)
 
 
 def test_manifest_counts_token_freq_and_validate(generated):

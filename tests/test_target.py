@@ -1,14 +1,11 @@
 """Target loading and the layer-id convention, on the real SmolLM2 target."""
 
-import dataclasses
 import os
 
 import pytest
 import torch
-from torch import nn
 
 from speculators_train.errors import UserError
-from speculators_train.packed import available
 from speculators_train.recipe import TargetConfig
 from speculators_train.target import NAMED_TARGETS, _package_dir, load_target, resolve_source
 
@@ -20,17 +17,13 @@ def test_exposes_shape_template_and_default_ids(target):
     assert target.dtype == torch.float32 and target.device.type == "cpu"
 
 
-def _chat_ids(target):
-    return target.tokenizer.apply_chat_template(
+def test_aux_states_are_hf_hidden_states_at_recorded_ids_and_final_is_pre_norm(target):
+    ids = target.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}],
         return_tensors="pt",
         return_dict=True,
     )["input_ids"]
-
-
-def test_aux_states_are_hf_hidden_states_at_recorded_ids_and_final_is_pre_norm(target):
-    ids = _chat_ids(target)
-    aux, final = dataclasses.replace(target, cpu_packed_weights=False).hidden_states(ids, None)
+    aux, final = target.hidden_states(ids, None)
     with torch.no_grad():
         ref = target.model(ids, output_hidden_states=True)
     h = target.hidden_size
@@ -40,24 +33,6 @@ def test_aux_states_are_hf_hidden_states_at_recorded_ids_and_final_is_pre_norm(t
     assert not torch.allclose(final, ref.hidden_states[-1], atol=1e-2)
     torch.testing.assert_close(target.final_norm(final), ref.hidden_states[-1])
     torch.testing.assert_close(target.logits_from_final(final), ref.logits)
-
-
-@pytest.mark.skipif(not available(nn.Linear(2, 2)), reason="needs a CPU torch built with oneDNN")
-def test_capture_runs_on_packed_weights_and_matches_the_default_kernels(target, monkeypatch):
-    """Packing is on by default (`target.cpu_packed_weights`) and changes only float32 rounding; off, it is off.
-    Offline shards and online training both capture through `hidden_states`, so they stay equal."""
-    ids = torch.cat([_chat_ids(target)] * 3)
-    plain = dataclasses.replace(target, cpu_packed_weights=False)
-    calls = []
-    linear = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or linear(*a))
-    want = plain.hidden_states(ids, None)
-    assert not calls
-    got = target.hidden_states(ids, None)
-    assert len(calls) == 7 * target.num_layers  # q, k, v, o, gate, up, down; the lm_head is not run
-    assert "forward" not in target.lm_head.__dict__  # undone on exit
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-3)
 
 
 def test_layer_id_zero_is_the_embeddings(target):

@@ -144,14 +144,15 @@ class ChunkResult:
 def process_chunk(recipe: Recipe, target: Target, chunk: list[Conversation], seed: int) -> ChunkResult:
     """Conversations -> (optionally regenerated) -> rendered -> hidden states. Shared by offline and online."""
     skips = SkipReport()
-    data = recipe.data
-    if data.regenerate.enabled:
-        with target.packed(data.regenerate.batch_size):
+    data, max_tokens = recipe.data, recipe.generation.max_tokens_per_batch
+    # One packed copy of the target's weights per chunk (CPU float32, `target.cpu_packed_weights`), for
+    # regeneration and capture alike; offline shards and online training both come through here.
+    with target.packed(max_tokens):
+        if data.regenerate.enabled:
             chunk = regenerate(chunk, target.model, target.tokenizer, data.regenerate, data.max_length, seed)
-    rendered = render_many(chunk, target.tokenizer, data.max_length, data.overlong, skips)
-    samples = [s for s in rendered if s is not None]
-    dtype = DTYPES[recipe.generation.storage_dtype]
-    return ChunkResult(capture(target, samples, recipe.generation.max_tokens_per_batch, dtype), skips)
+        rendered = render_many(chunk, target.tokenizer, data.max_length, data.overlong, skips)
+        samples = [s for s in rendered if s is not None]
+        return ChunkResult(capture(target, samples, max_tokens, DTYPES[recipe.generation.storage_dtype]), skips)
 
 
 def chunks(records: list[Conversation], size: int) -> list[list[Conversation]]:
