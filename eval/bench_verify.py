@@ -90,18 +90,17 @@ def main() -> None:
     heads = draft.config.num_heads if isinstance(draft, MedusaDraft) else None
     ks = sorted({min(int(k), heads or int(k)) for k in args.ks.split(",")})
     shapes: list[tuple[str, int, TreeSpec | None]] = [(f"chain(K={k})", k, None) for k in ks]
+    # (tree shape, (top_k, depth, budget) or None for the recipe's sizes)
     if args.trees:
-        for fields in args.trees:
-            settings = recipe.model_copy(deep=True)
-            settings.eval.mode = "tree"
-            tree = settings.eval.tree
-            tree.shape, (tree.top_k, tree.depth, tree.budget) = "dynamic", fields
-            shapes.append(shape_of(settings, draft, resolved))
-    elif not args.no_tree:
-        for tree_shape in ("dynamic", "measured") if heads else ("dynamic",):
-            settings = recipe.model_copy(deep=True)
-            settings.eval.mode, settings.eval.tree.shape = "tree", tree_shape
-            shapes.append(shape_of(settings, draft, resolved))
+        trees = [("dynamic", fields) for fields in args.trees]
+    else:
+        trees = [] if args.no_tree else [(t, None) for t in (("dynamic", "measured") if heads else ("dynamic",))]
+    for tree_shape, fields in trees:
+        settings = recipe.model_copy(deep=True)
+        settings.eval.mode, settings.eval.tree.shape = "tree", tree_shape
+        if fields:
+            settings.eval.tree.top_k, settings.eval.tree.depth, settings.eval.tree.budget = fields
+        shapes.append(shape_of(settings, draft, resolved))
     oracle_k = 5
     widths = [(k, tree) for _, k, tree in shapes] + [(oracle_k, None)]
     records = []
