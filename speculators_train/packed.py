@@ -50,9 +50,15 @@ def packed_linears(models: list[nn.Module], rows: int) -> Iterator[bool]:
     """Within the block, every `nn.Linear` of these models runs on oneDNN-packed weights (no-grad only; the
     weights must not change meanwhile). `rows` is the typical row count the packing is tuned for; any count
     works. Yields whether packing applies (float32 on CPU with oneDNN; other models are left as they are).
-    Memory: one extra copy of the linear weights."""
+    Memory: one extra copy of the linear weights. A linear that already has its own `forward` (packed by an
+    enclosing block, or hooked by accelerate) is left alone, so nested blocks and hooks survive the exit."""
     models = [m for m in models if available(m)]
-    linears = [m for model in models for m in model.modules() if isinstance(m, nn.Linear)]
+    linears = {
+        id(m): m
+        for model in models
+        for m in model.modules()
+        if isinstance(m, nn.Linear) and "forward" not in m.__dict__
+    }.values()
     try:
         for module in linears:
             module.forward = _packed_forward(module, rows)

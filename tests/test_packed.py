@@ -40,3 +40,16 @@ def test_training_bf16_and_exit_leave_the_model_as_it_was():
         assert not packed and "forward" not in model.__dict__
     with packed_linears([], 5) as packed:
         assert not packed
+
+
+def test_nested_blocks_and_foreign_forwards_survive_the_exit():
+    outer_model, hooked = nn.Linear(8, 4), nn.Linear(8, 4)
+    hook = hooked.forward
+    hooked.forward = hook  # what accelerate's hooks do: an instance attribute
+    with packed_linears([outer_model, hooked], 5):
+        packed_forward = outer_model.__dict__["forward"]
+        assert hooked.__dict__["forward"] is hook
+        with packed_linears([outer_model, outer_model], 5):
+            assert outer_model.__dict__["forward"] is packed_forward
+        assert outer_model.__dict__["forward"] is packed_forward
+    assert "forward" not in outer_model.__dict__ and hooked.__dict__["forward"] is hook
