@@ -424,3 +424,19 @@ def test_paired_runs_put_every_setting_right_after_its_prompts_baseline_with_its
         for generations in runs:
             assert generations[i].tokens == baseline[i].tokens
             assert all(a == 3 for a in generations[i].accepted[:-1])
+
+
+def test_warm_up_runs_both_sides_with_the_decoders_sampling(target, random_draft, prompts, monkeypatch):
+    """At T > 0 the first timed baseline would otherwise pay the top-p sort and multinomial's first call alone."""
+    import speculators_train.verify.run as run
+    from speculators_train.data.conversations import SkipReport
+    from speculators_train.verify.suites import Prompt, Suite, SuiteConfig
+
+    seen = []
+    plain = run.decode_plain
+    monkeypatch.setattr(run, "decode_plain", lambda t, ids, n, eos, s, g: seen.append(s) or plain(t, ids, n, eos, s, g))
+    sampling = Sampling(1.0, 0.9)
+    decoder = SpeculativeDecoder(target, Eagle3Proposer(random_draft), sampling, 2)
+    suite = Suite(SuiteConfig(name="warm"), REPO, [Prompt("0", prompts[0], [])], SkipReport())
+    run.warm_up(target, decoder, suite)
+    assert seen == [sampling]

@@ -132,10 +132,10 @@ def run_paired(
 
 
 def warm_up(target: Target, decoder: SpeculativeDecoder, suite: Suite) -> None:
-    """One short untimed run of each path, so first-call costs (allocations, kernel selection) stay out of the
-    figures."""
+    """One short untimed run of each path with the decoder's sampling, so first-call costs (allocations, kernel
+    selection, the top-p sort and multinomial at T > 0) stay out of both sides' figures."""
     prompt = suite.prompts[0].ids
-    decode_plain(target, prompt, 8, set(), Sampling(), torch.Generator(device=target.model.device))
+    decode_plain(target, prompt, 8, set(), decoder.sampling, torch.Generator(device=target.model.device))
     decoder.generate(prompt, 8, set(), torch.Generator(device=target.model.device))
 
 
