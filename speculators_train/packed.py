@@ -53,12 +53,11 @@ def packed_linears(models: list[nn.Module], rows: int) -> Iterator[bool]:
     Memory: one extra copy of the linear weights. A linear that already has its own `forward` (packed by an
     enclosing block, or hooked by accelerate) is left alone, so nested blocks and hooks survive the exit."""
     models = [m for m in models if available(m)]
-    linears = {
-        id(m): m
-        for model in models
-        for m in model.modules()
-        if isinstance(m, nn.Linear) and "forward" not in m.__dict__
-    }.values()
+    linears = list(
+        dict.fromkeys(
+            m for model in models for m in model.modules() if isinstance(m, nn.Linear) and "forward" not in m.__dict__
+        )
+    )
     try:
         for module in linears:
             module.forward = _packed_forward(module, rows)
