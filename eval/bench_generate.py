@@ -38,9 +38,11 @@ from rich.table import Table
 from speculators_train.data.conversations import SkipReport
 from speculators_train.data.mix import Splits
 from speculators_train.data.render import render_many
+from speculators_train.data.splits import chunks, load_splits
 from speculators_train.errors import run_script
 from speculators_train.hidden_states import generator
-from speculators_train.recipe import Recipe, load_recipe, parse_overrides
+from speculators_train.recipe import DEFAULT_RECIPE, Recipe, load_recipe
+from speculators_train.schema import parse_overrides
 from speculators_train.target import Target, load_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +52,7 @@ Batch = tuple[torch.Tensor, torch.Tensor | None, int]  # input_ids, attention ma
 def _setup(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> tuple[Recipe, Splits, Target]:
     """Recipe with overrides, the first `--records` train records (no held-out), and the loaded target."""
     recipe = load_recipe(args.recipe, {**parse_overrides(args.set), **(extra or {})})
-    splits = generator.load_splits(recipe)
+    splits = load_splits(recipe)
     splits = dataclasses.replace(splits, train=splits.train[: args.records], held_out=[])
     return recipe, splits, load_target(recipe.target)
 
@@ -58,7 +60,7 @@ def _setup(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> tup
 def _forward_batches(recipe: Recipe, target: Target, splits: Splits) -> Iterator[Batch]:
     """The generator's forwards for rank 0 of 1: per shard-sized chunk, rendered, then padded like `capture`."""
     data = recipe.data
-    for chunk in generator.chunks(splits.train, recipe.generation.samples_per_shard):
+    for chunk in chunks(splits.train, recipe.generation.samples_per_shard):
         skips = SkipReport()
         rendered = render_many(chunk, target.tokenizer, data.max_length, data.overlong, skips)
         samples = [s for s in rendered if s is not None]
@@ -165,7 +167,7 @@ def _table(results: dict[str, dict[str, Any]]) -> Table:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", default=str(REPO / "recipes" / "eagle3.yaml"))
+    parser.add_argument("--recipe", default=str(REPO / DEFAULT_RECIPE))
     parser.add_argument("--records", type=int, default=96, help="train records used (held-out is emptied)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
     parser.add_argument("--phase", choices=list(PHASES), help=argparse.SUPPRESS)

@@ -1,9 +1,9 @@
-"""Benchmark EAGLE-3 training throughput on the recipe's generated hidden states.
+"""Benchmark training throughput of the recipe's draft family on its generated hidden states.
 
     .venv/bin/python eval/bench_train.py --steps 20                  # CPU, recipes/eagle3.yaml
     .venv/bin/python eval/bench_train.py --steps 50 --set training.batch_size=16   # e.g. on a GPU
 
-Runs `--steps` optimizer steps of the real trainer (after 2 untimed warm-up steps) in a temporary run
+Runs `--steps` optimizer steps of the real trainer's training step (after 2 untimed warm-up steps) in a temporary run
 directory that reuses the recipe's hidden states, and reports tokens/s (real, unpadded tokens), seconds
 per step, peak RSS and, on CUDA, peak allocated GPU memory. Prints one JSON line and a table.
 Run `speculators-train generate <recipe>` first.
@@ -23,7 +23,9 @@ from rich.console import Console
 from rich.table import Table
 
 from speculators_train.errors import run_script
-from speculators_train.recipe import load_recipe, parse_overrides
+from speculators_train.recipe import DEFAULT_RECIPE, load_recipe
+from speculators_train.schema import parse_overrides
+from speculators_train.training.step import train_step
 from speculators_train.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", default=str(REPO / "recipes" / "eagle3.yaml"))
+    parser.add_argument("--recipe", default=str(REPO / DEFAULT_RECIPE))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
@@ -47,11 +49,7 @@ def main() -> None:
 
         def step() -> int:
             batch = next(batches)
-            with trainer.acc.autocast():
-                loss, _ = model(trainer._to_device(batch))
-            trainer.acc.backward(loss)
-            trainer.optimizer.step()
-            trainer.optimizer.zero_grad()
+            train_step(trainer.acc, model, trainer.optimizer, trainer._to_device(batch), recipe.training.max_grad_norm)
             return int(batch["lengths"].sum())
 
         for _ in range(2):
@@ -73,8 +71,7 @@ def main() -> None:
         "steps": args.steps,
         "batch_size": recipe.training.batch_size,
         "max_length": recipe.data.max_length,
-        "ttt_steps": recipe.eagle3.ttt_steps,
-        "draft_vocab_size": recipe.eagle3.draft_vocab_size,
+        "draft": recipe.draft.model_dump(),
         "precision": trainer.acc.mixed_precision,
         "tokens": tokens,
         "tokens_per_s": tokens / seconds,
@@ -83,7 +80,7 @@ def main() -> None:
         "cuda_peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
     }
     print(json.dumps(result))
-    table = Table(title="EAGLE-3 training throughput")
+    table = Table(title=f"{recipe.draft.family} training throughput")
     for column in ("device", "precision", "batch", "tok/s", "s/step", "peak RSS MiB", "GPU peak MiB"):
         table.add_column(column, justify="right")
     gpu = f"{result['cuda_peak_mib']:.0f}" if result["cuda_peak_mib"] else "-"

@@ -2,14 +2,14 @@
 
     .venv/bin/python eval/bench_verify.py                                   # recipes/eagle3.yaml, its best draft
     .venv/bin/python eval/bench_verify.py --ks 3,5,7 --temperatures 0,1 --prompts 12 --max-new-tokens 96
-    .venv/bin/python eval/bench_verify.py --recipe recipes/medusa.yaml --ks 3,4     # Medusa: chain, both trees
+    .venv/bin/python eval/bench_verify.py --recipe recipes/medusa.yaml --ks 3,4     # heads: chain, both tree shapes
     .venv/bin/python eval/bench_verify.py --ks 1 --trees 4x1x4,4x2x8,4x5x24        # small trees for a CPU
 
 On one suite (default: the recipe's first), decodes each prompt target-only (the baseline) and then, back to
-back so that machine noise hits them alike, speculatively with each chain K (at most one per Medusa head), with
-each `--trees` shape or else the recipe's tree (for Medusa both the dynamic tree and the one measured from
-per-head accuracies) and, greedy only, with an oracle draft (the target's own tokens: acceptance length K+1),
-which shows the ceiling this machine allows. Each temperature starts with an untimed warm-up;
+back so that machine noise hits them alike, speculatively with each chain K (at most what the draft proposes per
+step), with each `--trees` shape or else the recipe's tree in every shape the draft's family grows (dynamic, and for
+heads one measured from per-head accuracies) and, greedy only, with an oracle draft (the target's own tokens:
+acceptance length K+1), which shows the ceiling this machine allows. Each temperature starts with an untimed warm-up;
 `--set target.cpu_packed_weights=false` measures CPU decoding on the default kernels.
 Prints one JSON line per setting and a table with where the time goes.
 """
@@ -27,22 +27,14 @@ from rich.table import Table
 from tqdm import tqdm
 
 from speculators_train.errors import run_script
-from speculators_train.models.medusa import MedusaDraft
-from speculators_train.recipe import load_recipe, parse_overrides
+from speculators_train.proposal import Sampling, TreeSpec
+from speculators_train.recipe import DEFAULT_RECIPE, load_recipe
+from speculators_train.schema import parse_overrides
 from speculators_train.target import Target, load_target
 from speculators_train.verify.decoder import Generation, SpeculativeDecoder
-from speculators_train.verify.proposers import OracleProposer, TreeSpec
+from speculators_train.verify.oracle import OracleProposer
 from speculators_train.verify.report import score, speedup_cell
-from speculators_train.verify.run import (
-    load_draft_for,
-    proposer_for,
-    reuse,
-    run_paired,
-    shape_of,
-    verify_packing,
-    warm_up,
-)
-from speculators_train.verify.sampling import Sampling
+from speculators_train.verify.run import load_draft_for, reuse, run_paired, shape_of, verify_packing, warm_up
 from speculators_train.verify.suites import load_suite
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,7 +58,7 @@ def tree_sizes(text: str) -> list[tuple[int, ...]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", default=str(REPO / "recipes" / "eagle3.yaml"))
+    parser.add_argument("--recipe", default=str(REPO / DEFAULT_RECIPE))
     parser.add_argument("--draft", help="checkpoint or checkpoints dir; default: the recipe's best")
     parser.add_argument("--ks", default="3,5,7")
     parser.add_argument("--temperatures", default="0,1")
@@ -77,30 +69,31 @@ def main() -> None:
         "--trees",
         type=tree_sizes,
         default=[],
-        help="EAGLE-3 dynamic trees as TOP_KxDEPTHxBUDGET, comma-separated (e.g. 4x5x24,4x2x8); default: the recipe's",
+        help="dynamic trees as TOP_KxDEPTHxBUDGET, comma-separated (e.g. 4x5x24,4x2x8); default: the recipe's",
     )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     recipe = load_recipe(args.recipe, parse_overrides(args.set))
     target = load_target(recipe.target)
     draft_path = Path(args.draft) if args.draft else recipe.run_dir / "train" / "checkpoints"
-    draft, resolved = load_draft_for(target, draft_path)
+    loaded = load_draft_for(target, draft_path)
+    family, draft = loaded.family, loaded.draft
     suite_path = recipe.resolve_path(recipe.eval.suites[0], "eval.suites")
     suite = load_suite(suite_path, recipe, target.tokenizer, args.prompts)
-    heads = draft.config.num_heads if isinstance(draft, MedusaDraft) else None
-    ks = sorted({min(int(k), heads or int(k)) for k in args.ks.split(",")})
+    cap = family.max_draft_tokens(draft)
+    ks = sorted({min(int(k), cap or int(k)) for k in args.ks.split(",")})
     shapes: list[tuple[str, int, TreeSpec | None]] = [(f"chain(K={k})", k, None) for k in ks]
     # (tree shape, (top_k, depth, budget) or None for the recipe's sizes)
     if args.trees:
         trees = [("dynamic", fields) for fields in args.trees]
     else:
-        trees = [] if args.no_tree else [(t, None) for t in (("dynamic", "measured") if heads else ("dynamic",))]
+        trees = [] if args.no_tree else [(t, None) for t in family.settings.tree_shapes]
     for tree_shape, fields in trees:
         settings = recipe.model_copy(deep=True)
         settings.eval.mode, settings.eval.tree.shape = "tree", tree_shape
         if fields:
             settings.eval.tree.top_k, settings.eval.tree.depth, settings.eval.tree.budget = fields
-        shapes.append(shape_of(settings, draft, resolved))
+        shapes.append(shape_of(settings, loaded))
     oracle_k = 5
     widths = [(k, tree) for _, k, tree in shapes] + [(oracle_k, None)]
     records = []
@@ -112,7 +105,7 @@ def main() -> None:
                     shape,
                     k,
                     sampling.top_p,
-                    reuse(SpeculativeDecoder(target, proposer_for(draft, target), sampling, k, tree)),
+                    reuse(SpeculativeDecoder(target, family.proposer(draft, target), sampling, k, tree)),
                 )
                 for shape, k, tree in shapes
             ]
@@ -120,7 +113,7 @@ def main() -> None:
                 settings.append((f"oracle chain(K={oracle_k})", oracle_k, 1.0, oracle(target, oracle_k)))
             decoders = [pick for *_, pick in settings]
             with tqdm(total=(len(decoders) + 1) * len(suite.prompts), unit="prompt", desc=f"T={temperature:g}") as bar:
-                warm_up(target, SpeculativeDecoder(target, proposer_for(draft, target), sampling, ks[-1]), suite)
+                warm_up(target, SpeculativeDecoder(target, family.proposer(draft, target), sampling, ks[-1]), suite)
                 baseline, runs = run_paired(target, suite, args.max_new_tokens, sampling, recipe.seed, bar, decoders)
             for (shape, k, top_p, _), spec in zip(settings, runs, strict=True):
                 records.append(score(suite.config.name, shape, k, temperature, top_p, spec, baseline))

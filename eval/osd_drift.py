@@ -29,13 +29,13 @@ from tqdm import tqdm
 
 from speculators_train.errors import run_script
 from speculators_train.files import atomic_write_bytes
-from speculators_train.osd.distill import OnlineDistiller, acceptance
-from speculators_train.recipe import load_recipe, parse_overrides
+from speculators_train.osd.distill import OnlineDistiller
+from speculators_train.proposal import Sampling
+from speculators_train.recipe import load_recipe
+from speculators_train.schema import parse_overrides
 from speculators_train.target import load_target
-from speculators_train.training.checkpoint import load_draft
 from speculators_train.verify.decoder import SpeculativeDecoder
-from speculators_train.verify.run import proposer_for, run_speculative, verify_packing
-from speculators_train.verify.sampling import Sampling
+from speculators_train.verify.run import run_speculative, verify_packing
 from speculators_train.verify.suites import Suite, answered, load_suite
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,10 +63,10 @@ def unseen_coding(recipe, target, logs: Path, count: int) -> Suite:
     return suite
 
 
-def real_acceptance(recipe, target, draft, suite: Suite, max_new_tokens: int) -> tuple[float, list[list[int]]]:
+def real_acceptance(recipe, target, family, draft, suite: Suite, max_new_tokens: int) -> tuple[float, list[list[int]]]:
     """Greedy speculative decoding with K = eval.num_speculative_tokens: (acceptance length, the outputs)."""
     k = recipe.eval.num_speculative_tokens
-    decoder = SpeculativeDecoder(target, proposer_for(draft, target), Sampling(0.0), k)
+    decoder = SpeculativeDecoder(target, family.proposer(draft, target), Sampling(0.0), k)
     bar = tqdm(total=len(suite.prompts), unit="prompt", desc="verify loop")
     with bar, verify_packing(target, draft, [(k, None)]):
         runs = run_speculative(decoder, target, suite, max_new_tokens, recipe.seed, bar)
@@ -94,16 +94,15 @@ def main() -> None:
     distiller.run()
     k = recipe.eval.num_speculative_tokens
     start_path = distiller.root / "versions" / "v0000" / "checkpoint"
-    drafts = {"before": distiller.prepare(load_draft(start_path), start_path), "after": distiller.draft}
+    drafts = {"before": distiller.prepare(start_path), "after": distiller.draft}
+    acceptance = distiller.scorer.acceptance
     before, after = (
-        {
-            "log": acceptance(drafts[when], distiller.head, distiller.held_out, k),
-            "general": acceptance(drafts[when], distiller.head, distiller.general, k),
-        }
+        {"log": acceptance(drafts[when], distiller.held_out), "general": acceptance(drafts[when], distiller.general)}
         for when in ("before", "after")
     )
     unseen = unseen_coding(recipe, target, logs / "coding.jsonl", args.verify_prompts)
-    real = {when: real_acceptance(recipe, target, drafts[when], unseen, args.max_new_tokens) for when in drafts}
+    family = distiller.family
+    real = {when: real_acceptance(recipe, target, family, drafts[when], unseen, args.max_new_tokens) for when in drafts}
     record = {
         "records": distiller.progress["records_seen"],
         "updates": distiller.progress["updates"],

@@ -14,18 +14,22 @@ from rich.table import Table
 
 from speculators_train.data.conversations import SkipReport
 from speculators_train.errors import UserError
-from speculators_train.recipe import Recipe, load_recipe, parse_overrides
+from speculators_train.recipe import Recipe, load_recipe
+from speculators_train.schema import parse_overrides
 
 console = Console(stderr=True)
 
 
 def _recipe(args: argparse.Namespace) -> Recipe:
-    return load_recipe(args.recipe, parse_overrides(args.set))
+    overrides = parse_overrides(args.set)
+    if getattr(args, "format", None):  # checked against the draft family's formats when the recipe loads
+        overrides["export.format"] = args.format
+    return load_recipe(args.recipe, overrides)
 
 
 def cmd_data(args: argparse.Namespace) -> int:
     """Read the recipe's data mix and report counts and skips, without touching the target."""
-    from speculators_train.hidden_states.generator import load_splits
+    from speculators_train.data.splits import load_splits
 
     splits = load_splits(_recipe(args))
     counts = {"train": len(splits.train), "held_out": len(splits.held_out), "skipped": splits.report.counts}
@@ -83,21 +87,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer = Trainer(recipe)
     metrics = trainer.train()
     if trainer.acc.is_main_process:
-        _report_training(recipe, trainer, metrics)
+        _report_training(trainer, metrics)
     return 0
 
 
-def _report_training(recipe: Recipe, trainer, metrics: dict[str, float]) -> None:
-    medusa = recipe.training.algorithm == "medusa"
+def _report_training(trainer, metrics: dict[str, float]) -> None:
+    from speculators_train.families.objective import key
+
+    family = trainer.family
     table = Table(title=f"held-out metrics after step {trainer.state['step']} ({trainer.ckpt_dir})")
-    names = ("loss", "full_acc", "cond_acc", *(("top1_acc", "top5_acc") if medusa else ()))
-    for column in ("head" if medusa else "ttt step", *names):
+    for column in (family.step_label, *family.columns):
         table.add_column(column, justify="right")
     for i in range(trainer.steps):
-        table.add_row(str(i), *(f"{metrics[f'{name}_{i}']:.3f}" for name in names))
+        table.add_row(str(i), *(f"{metrics[key(name, i)]:.3f}" for name in family.columns))
     console.print(table)
-    key = next(k for k in metrics if k.startswith("predicted_al_"))
-    console.print(f"predicted acceptance length at {key.rsplit('_', 1)[1]} draft tokens: {metrics[key]:.2f}")
+    console.print(f"predicted acceptance length at {trainer.al_depth} draft tokens: {metrics[trainer.al_key]:.2f}")
     print(json.dumps({"step": trainer.state["step"], "tokens": trainer.state["tokens"], **metrics}))
 
 
@@ -122,7 +126,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     done = export(
         recipe,
         Path(args.checkpoint) if args.checkpoint else None,
-        args.format,
+        None,
         Path(args.out) if args.out else None,
         args.dtype,
         args.force,
@@ -195,7 +199,7 @@ COMMANDS = {
     "train": (cmd_train, "train the draft from the generated hidden states (resumes from the last checkpoint)"),
     "validate": (cmd_validate, "check every hidden-state shard against the manifest (recipe or directory)"),
     "verify": (cmd_verify, "speculative decoding with the real target: acceptance length, speedup, exactness"),
-    "export": (cmd_export, "write the draft for vLLM (speculators format) or SGLang, with tokenizer and a card"),
+    "export": (cmd_export, "write the draft in a layout its engine loads (vLLM, SGLang), with tokenizer and a card"),
     "osd": (cmd_osd, "online distillation on production logs: ingest, score, distil, promote a better draft"),
 }
 
@@ -215,7 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--checkpoint", help="checkpoint dir, checkpoints/run dir (its best), or a draft made elsewhere"
             )
-            p.add_argument("--format", choices=["speculators", "sglang"], help="default: the recipe's export.format")
+            p.add_argument(
+                "--format", help="a layout of the draft's family (speculators, sglang); default: export.format"
+            )
             p.add_argument("--out", help="output dir; default <run dir>/export/<format>")
             p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: export.dtype")
             p.add_argument("--force", action="store_true", help="replace an existing output dir")

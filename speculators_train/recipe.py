@@ -1,58 +1,28 @@
-"""The recipe: one validated YAML file that drives every stage (generate, train, export, verify).
+"""The recipe: one validated YAML file that drives every stage (generate, train, export, verify, osd).
 
-Each setting lives in exactly one place. Unknown keys and wrong types fail with the file and the
-dotted key, e.g. ``recipes/eagle3.yaml: training.lerning_rate: unknown key (did you mean learning_rate?)``.
+Each setting lives in exactly one place. The draft family is named once, in `draft: {family: ..., ...}`, whose
+other keys are that family's own section (`speculators_train/families/<name>/settings.py`). Unknown keys and wrong
+types fail with the file and the dotted key, e.g.
+``recipes/eagle3.yaml: training.lerning_rate: unknown key (did you mean learning_rate?)``.
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib.util
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from speculators_train import families
 from speculators_train.errors import UserError
-
-DTypeName = Literal["float32", "bfloat16", "float16"]
-M = TypeVar("M", bound="Section")
-
-
-class Section(BaseModel):
-    """Base for every recipe section: unknown keys are errors, never silently ignored."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    # Where the YAML came from, for error messages and relative paths; not a key of the file.
-    _source_path: Path | None = PrivateAttr(None)
-
-    @property
-    def source_path(self) -> Path | None:
-        return self._source_path
-
-    def resolve_path(self, value: str, key: str, directory: bool = False) -> Path:
-        """A file named in this YAML: `pkg:PACKAGE/rel` (shipped in a Python package), absolute, or relative to
-        this file's folder, then its parent (recipes/ and data/ sit side by side), then the working directory."""
-        if value.startswith("pkg:"):
-            package, _, rel = value[4:].partition("/")
-            spec = importlib.util.find_spec(package)
-            if spec is None or not spec.submodule_search_locations:
-                raise UserError(f"{self.source_path}: {key}: package {package!r} is not installed")
-            candidates = [Path(next(iter(spec.submodule_search_locations))) / rel]
-        else:
-            path = Path(value).expanduser()
-            candidates = []
-            if not path.is_absolute() and self.source_path is not None:
-                candidates += [self.source_path.parent / path, self.source_path.parent.parent / path]
-            candidates.append(path)
-        for candidate in candidates:
-            if candidate.is_dir() if directory else candidate.is_file():
-                return candidate
-        tried = ", ".join(str(c) for c in candidates)
-        what = "directory" if directory else "file"
-        raise UserError(f"{self.source_path}: {key}: {what} {value!r} not found (tried {tried})")
+from speculators_train.schema import (
+    DTypeName,
+    Section,
+    apply_overrides,
+    read_yaml_mapping,
+    validate_mapping,
+)
 
 
 class TargetConfig(Section):
@@ -146,11 +116,10 @@ class DeepSpeedConfig(Section):
 
 
 class TrainingConfig(Section):
-    algorithm: Literal["eagle3", "medusa"] = Field("eagle3", description="Which draft to train (its own section).")
     epochs: int = Field(1, gt=0)
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps (a budget).")
     init_from: str | None = Field(
-        None, description="A draft to fine-tune: one of our checkpoints, or a speculators/SGLang EAGLE-3 directory."
+        None, description="A draft of the recipe's family to fine-tune: ours, or one in a layout the family reads."
     )
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -175,23 +144,8 @@ class TrainingConfig(Section):
         return "no" if value is False else value
 
 
-class Eagle3Section(Section):
-    draft_vocab_size: int = Field(8192, gt=0, description="Reduced vocab from the generator's token counts.")
-    ttt_steps: int = Field(7, gt=0, description="Training-time test unroll depth.")
-    step_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of step i is step_decay**i.")
-    norm_before_residual: bool = Field(False, description="SGLang only runs false.")
-
-
-class MedusaSection(Section):
-    num_heads: int = Field(4, gt=0, description="Head h predicts token t+2+h.")
-    num_layers: int = Field(1, gt=0, description="Residual blocks x + SiLU(Wx + b) per head.")
-    loss: Literal["soft", "hard"] = Field("soft", description="soft: distil the target's distribution; hard: labels.")
-    head_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of head h is head_decay**h.")
-    draft_vocab_size: int = Field(8192, gt=0, description="Reduced vocab from the generator's token counts.")
-
-
 class ExportConfig(Section):
-    format: Literal["speculators", "sglang"] = "speculators"
+    format: str = Field("speculators", description="A layout of the draft's family (draft.family's formats).")
     dtype: DTypeName = Field("bfloat16", description="Float weights; d2t stays int64 and t2d bool.")
     verifier: str | None = Field(
         None, description="Where engines load the target from; default: its hub id (a local path otherwise)."
@@ -204,8 +158,8 @@ class TreeConfig(Section):
     budget: int = Field(24, gt=0, description="Draft nodes verified per step (the most probable).")
     shape: Literal["dynamic", "measured"] = Field(
         "dynamic",
-        description="dynamic: each step keeps the `budget` most probable paths (any draft); measured (Medusa "
-        "only): one fixed tree built from the checkpoint's held-out per-head rank accuracies, as Medusa does.",
+        description="dynamic: each step keeps the `budget` most probable paths (any draft); other shapes belong to "
+        "a family (its settings' tree_shapes), e.g. one fixed tree built from held-out per-head rank accuracies.",
     )
 
 
@@ -230,7 +184,7 @@ class EvalConfig(Section):
 
 
 class OSDConfig(Section):
-    """Online distillation on production logs: ingestion settings (SPEC section 8)."""
+    """Online distillation on production logs: ingestion, scoring, distillation and the promotion gate."""
 
     logs: str | None = Field(None, description="Directory of JSONL logs (the --logs option overrides it).")
     redact: list[str] = Field(default_factory=list, description="Regexes replaced by [REDACTED] before storing.")
@@ -262,6 +216,10 @@ class OSDConfig(Section):
     )
 
 
+# The `draft:` section: the settings of one registered family, chosen by its `family` key.
+DraftSettings = Annotated[Union[families.settings_types()], Field(discriminator="family")]  # noqa: UP007
+
+
 class Recipe(Section):
     name: str = Field(description="Run name; also the default run directory runs/<name>.")
     output_dir: str | None = Field(None, description="Run directory; default runs/<name>.")
@@ -270,21 +228,29 @@ class Recipe(Section):
     data: DataConfig
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
-    eagle3: Eagle3Section = Field(default_factory=Eagle3Section)
-    medusa: MedusaSection = Field(default_factory=MedusaSection)
+    draft: DraftSettings = Field(
+        default_factory=lambda: families.settings_types()[0](),
+        description="The draft family (`family: NAME`) and that family's settings.",
+    )
     export: ExportConfig = Field(default_factory=ExportConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     osd: OSDConfig = Field(default_factory=OSDConfig)
 
     @model_validator(mode="after")
-    def _name(self) -> Recipe:
+    def _rules(self) -> Recipe:
         if not self.name or "/" in self.name:
             raise ValueError("name must be a non-empty string without '/'")
-        if self.data.max_length <= self.eagle3.ttt_steps + 1:
-            raise ValueError(
-                f"data.max_length ({self.data.max_length}) must exceed eagle3.ttt_steps + 1 "
-                f"({self.eagle3.ttt_steps + 1})"
-            )
+        draft, name = self.draft, self.draft.family
+        problems = []
+        if self.export.format not in draft.formats:
+            problems.append(f"export.format {self.export.format!r}: the {name} family writes {list(draft.formats)}")
+        if self.eval.tree.shape not in draft.tree_shapes:
+            problems.append(f"eval.tree.shape {self.eval.tree.shape!r}: {name} drafts grow {list(draft.tree_shapes)}")
+        if self.training.init_from and not draft.fine_tunes:
+            problems.append(f"training.init_from: {name} drafts start fresh; remove it")
+        problems += draft.recipe_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     @property
@@ -296,75 +262,34 @@ class Recipe(Section):
         return self.run_dir / "hidden_states"
 
 
+# The recipe of the embedded default (relative to a checkout): what the eval scripts run when given none.
+DEFAULT_RECIPE = "recipes/eagle3.yaml"
+
 # Keys that moved, so a recipe written for an earlier version is told where its setting lives now.
 MOVED_KEYS = {"eval.cpu_packed_weights": "target.cpu_packed_weights"}
 
 
-def _format_error(path: Path, error: dict[str, Any], model: type[BaseModel]) -> str:
-    loc = [str(part) for part in error["loc"]]
-    key = ".".join(loc) or "<root>"
-    if error["type"] == "extra_forbidden" and key in MOVED_KEYS:
-        return f"{path}: {key}: moved to {MOVED_KEYS[key]}"
-    if error["type"] == "extra_forbidden":
-        allowed = _allowed_keys(model, loc[:-1])
-        hint = difflib.get_close_matches(loc[-1], allowed, n=1)
-        suggestion = f" (did you mean {hint[0]}?)" if hint else f" (allowed: {', '.join(sorted(allowed))})"
-        return f"{path}: {key}: unknown key{suggestion}"
-    if error["type"] == "missing":
-        return f"{path}: {key}: required key is missing"
-    return f"{path}: {key}: {error['msg']} (got {error.get('input')!r})"
-
-
-def _allowed_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
-    for part in loc:
-        field = model.model_fields.get(part)
-        annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return []
-        model = annotation
-    return list(model.model_fields)
-
-
-def load_yaml_model(path: str | Path, model: type[M], what: str, overrides: dict[str, Any] | None = None) -> M:
-    """Load a YAML mapping into `model`; every problem is reported as `file: dotted.key: what is wrong`."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{what} {path} not found")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        raise UserError(f"{path}{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: a {what} must be a YAML mapping, got {type(raw).__name__}")
-    for dotted, value in (overrides or {}).items():
-        node = raw
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise UserError(f"override {dotted}: {part} is not a section")
-        node[leaf] = value
-    try:
-        loaded = model.model_validate(raw)
-    except ValidationError as exc:
-        messages = [_format_error(path, err, model) for err in exc.errors()]
-        raise UserError(f"invalid {what}:\n  " + "\n  ".join(messages)) from None
-    loaded._source_path = path
-    return loaded
+def _old_draft_layout(path: Path, raw: dict[str, Any]) -> str | None:
+    """The one-line fix for a recipe in the layout before `draft:` (training.algorithm plus a section named after
+    the family), showing the new spelling with the recipe's own values."""
+    training = raw.get("training") if isinstance(raw.get("training"), dict) else {}
+    sections = [name for name in families.FAMILIES if name in raw]
+    if "algorithm" not in training and not sections:
+        return None
+    name = training.get("algorithm") or (sections[0] if sections else families.FAMILIES[0])
+    old = raw.get(name) if isinstance(raw.get(name), dict) else {}
+    spelling = yaml.safe_dump(
+        {"draft": {"family": name, **old}}, default_flow_style=True, sort_keys=False, width=1 << 16
+    ).strip()
+    keys = ["training.algorithm"] * ("algorithm" in training) + [f"{s}:" for s in sections]
+    return f"{path}: {', '.join(keys)} is the old layout; the draft family and its settings now read {spelling}"
 
 
 def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
-    return load_yaml_model(path, Recipe, "recipe", overrides)
-
-
-def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`--set KEY=VALUE` options as `load_recipe` overrides; values are YAML (`--set eval.temperatures=[0,1]`)."""
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise UserError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set data.max_length=512")
-        out[key] = yaml.safe_load(value)
-    return out
+    path = Path(path)
+    raw = read_yaml_mapping(path, "recipe")
+    apply_overrides(raw, overrides or {})
+    old = _old_draft_layout(path, raw)
+    if old:
+        raise UserError(old)
+    return validate_mapping(path, raw, Recipe, "recipe", MOVED_KEYS)

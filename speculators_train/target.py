@@ -1,8 +1,11 @@
 """Load the target model (named default, hub id, local HF directory or GGUF file) and capture its states.
 
-Layer-id convention (SPEC section 2): id k is the residual stream after k decoder layers, i.e. HF's
-``output_hidden_states[k]`` (0 = embeddings). The "final" state is the last decoder layer's output
-*before* the final norm, so that ``lm_head(norm(final))`` reproduces the target's logits.
+Layer-id convention: id k is the residual stream after k decoder layers, i.e. HF's ``output_hidden_states[k]``
+(0 = embeddings). The "final" state is the last decoder layer's output *before* the final norm, so that
+``lm_head(norm(final))`` reproduces the target's logits.
+
+Which states a forward records is a value (`StateSpec`) handed to each call: a draft that reads other layers than
+the recipe's never changes the target everybody shares.
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from speculators_train.errors import UserError
 from speculators_train.packed import packed_linears
-from speculators_train.recipe import TargetConfig
+
+if TYPE_CHECKING:
+    from speculators_train.recipe import TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -144,13 +150,23 @@ def resolve_source(cfg: TargetConfig) -> tuple[str, str | None]:
     return name, name
 
 
+@dataclass(frozen=True)
+class StateSpec:
+    """Target states a forward records: the residual stream at `aux_layer_ids` (concatenated in that order) and,
+    with `final`, the last decoder layer's pre-norm output."""
+
+    aux_layer_ids: tuple[int, ...] = ()
+    final: bool = False
+
+
 def _stable_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass
 class Target:
-    """A loaded target: model, tokenizer and the layer ids whose states drafts consume."""
+    """A loaded target: model, tokenizer and the recipe's aux layer ids (what `generate` stores; never reassigned:
+    a draft that reads other layers passes its own `StateSpec`)."""
 
     model: nn.Module
     tokenizer: object
@@ -237,9 +253,15 @@ class Target:
             text = json.dumps(sorted(self.tokenizer.get_vocab().items()))
         return _stable_hash(text)
 
+    @property
+    def stored_states(self) -> StateSpec:
+        """What the generator stores for training: the recipe's aux layers and the final pre-norm state."""
+        return StateSpec(tuple(self.aux_layer_ids), final=True)
+
     @contextlib.contextmanager
-    def capture(self) -> Iterator[dict[int | str, torch.Tensor]]:
-        """Record the residual stream at `aux_layer_ids` and the pre-norm final state during a forward."""
+    def capture(self, spec: StateSpec) -> Iterator[dict[int | str, torch.Tensor]]:
+        """Record the residual stream at `spec.aux_layer_ids` and (with `spec.final`) the pre-norm final state
+        during a forward, keyed by layer id and "final"."""
         store: dict[int | str, torch.Tensor] = {}
         hooks = []
 
@@ -250,10 +272,11 @@ class Target:
             return hook
 
         wanted: dict[nn.Module, list[int | str]] = {}
-        for layer_id in self.aux_layer_ids:
+        for layer_id in spec.aux_layer_ids:
             module = self.embed_tokens if layer_id == 0 else self._decoder.layers[layer_id - 1]
             wanted.setdefault(module, []).append(layer_id)
-        wanted.setdefault(self._decoder.layers[-1], []).append("final")
+        if spec.final:
+            wanted.setdefault(self._decoder.layers[-1], []).append("final")
         for module, keys in wanted.items():
             for key in keys:
                 hooks.append(module.register_forward_hook(keep(key)))
@@ -263,15 +286,25 @@ class Target:
             for handle in hooks:
                 handle.remove()
 
+    @staticmethod
+    def gathered(store: dict[int | str, torch.Tensor], spec: StateSpec) -> torch.Tensor:
+        """The captured states of `spec` as one tensor [..., (len(ids) + final) * H]: aux in id order, then final."""
+        parts = [store[i] for i in spec.aux_layer_ids] + ([store["final"]] if spec.final else [])
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
     @torch.inference_mode()
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Aux states concatenated in id order [B, T, len(ids)*H] and the pre-norm final state [B, T, H].
+    def hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, spec: StateSpec | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Aux states concatenated in id order [B, T, len(ids)*H] (None when `spec` reads none) and the pre-norm
+        final state [B, T, H]; `spec` defaults to `stored_states`.
 
         Runs the decoder body only: the lm_head (a vocab-sized matmul) is not needed to store states.
         """
-        with self.capture() as store:
+        spec = StateSpec((spec or self.stored_states).aux_layer_ids, final=True)
+        with self.capture(spec) as store:
             self._decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        aux = torch.cat([store[i] for i in self.aux_layer_ids], dim=-1)
+        aux = torch.cat([store[i] for i in spec.aux_layer_ids], dim=-1) if spec.aux_layer_ids else None
         return aux, store["final"]
 
     def packed(self, rows: int, *others: nn.Module) -> contextlib.AbstractContextManager[bool]:
@@ -283,6 +316,31 @@ class Target:
     def logits_from_final(self, final: torch.Tensor) -> torch.Tensor:
         """Target logits from a stored pre-norm final state: lm_head(norm(h_N))."""
         return self.lm_head(self.final_norm(final))
+
+
+class TargetHead(nn.Module):
+    """The target's final norm + lm_head, frozen: turns stored pre-norm states into target logits."""
+
+    def __init__(self, norm: nn.Module, lm_head_weight: torch.Tensor) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = nn.Linear(lm_head_weight.shape[1], lm_head_weight.shape[0], bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(lm_head_weight)
+        self.requires_grad_(False)
+
+    @classmethod
+    def from_weights(cls, config, weights: dict[str, torch.Tensor]) -> TargetHead:
+        """From `load_head_weights`' config and tensors, without the model."""
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        with torch.no_grad():
+            norm.weight.copy_(weights["norm"])
+        return cls(norm, weights["lm_head"])
+
+    def forward(self, final: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(final))
 
 
 def load_head_weights(cfg: TargetConfig):

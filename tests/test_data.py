@@ -8,7 +8,7 @@ from speculators_train.data.conversations import SkipReport, normalize_record
 from speculators_train.data.mix import is_held_out, load_mix
 from speculators_train.data.readers import read_file
 from speculators_train.errors import UserError
-from speculators_train.recipe import Section
+from speculators_train.schema import Section
 
 from .conftest import SHAREGPT, write_jsonl
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from speculators_train.training.divergence import divergence
+from speculators_train.families.divergence import divergence
 
 KINDS = ["forward_kl", "reverse_kl", "jsd", "tvd"]
 

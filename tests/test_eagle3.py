@@ -7,9 +7,11 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
-from speculators_train.models.vocab import build_vocab_mapping, draft_to_target
-from speculators_train.training.ttt import TargetHead, align, summarize, ttt_loss
+from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
+from speculators_train.families.eagle3.objective import align, ttt_loss
+from speculators_train.families.objective import summarize
+from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
+from speculators_train.target import TargetHead
 
 H, V, DV, AUX = 32, 64, 16, 3
 
@@ -162,9 +164,9 @@ def test_loss_mask_moves_with_the_predicted_token():
     assert a.tokens[0, 4] == batch["input_ids"][0, 5] and a.positions[0, 4] == 5
     _, metrics = ttt_loss(draft, batch, head, steps=3, decay=0.8)
     # Step i predicts x6 from chain j = 4 - i: exactly one trained token at each step.
-    assert [int(metrics[f"n_{i}"]) for i in range(3)] == [1, 1, 1]
+    assert [int(metrics[f"loss_{i}"][1]) for i in range(3)] == [1, 1, 1]
     # Accuracy counts whole chains: none predicts assistant tokens at two consecutive steps here.
-    assert [int(metrics[f"chains_{i}"]) for i in range(3)] == [1, 0, 0]
+    assert [int(metrics[f"full_acc_{i}"][1]) for i in range(3)] == [1, 0, 0]
 
 
 def test_targets_outside_draft_vocab_are_masked():
@@ -192,12 +194,14 @@ def test_step_weights_decay_and_metrics_summary():
         "loss_mask": torch.ones(2, 9, dtype=torch.bool),
     }
     loss, metrics = ttt_loss(draft, batch, head, steps=3, decay=0.5)
-    expected = sum(0.5**i * metrics[f"loss_{i}"] / metrics[f"n_{i}"] for i in range(3))
+    expected = sum(0.5**i * metrics[f"loss_{i}"][0] / metrics[f"loss_{i}"][1] for i in range(3))
     torch.testing.assert_close(loss, expected)
-    summary = summarize({k: float(v) for k, v in metrics.items()}, 3, k=2)
+    summary = summarize(metrics, 2)
     assert summary["predicted_al_2"] == pytest.approx(1 + summary["full_acc_0"] + summary["full_acc_1"])
     assert summary["full_acc_1"] <= summary["full_acc_0"]
-    assert summary["vocab_coverage"] == pytest.approx(float(metrics["n_0"] / metrics["chains_0"]))
+    assert summary["vocab_coverage"] == pytest.approx(
+        float(metrics["vocab_coverage"][0] / metrics["vocab_coverage"][1])
+    )
 
 
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients():

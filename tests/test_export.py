@@ -11,15 +11,15 @@ from safetensors.torch import load_file
 
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
-from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
-from speculators_train.models.vocab import build_vocab_mapping, draft_to_target
+from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
+from speculators_train.families.eagle3.proposer import Eagle3Proposer
+from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
+from speculators_train.proposal import Sampling
 from speculators_train.recipe import load_recipe
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.decoder import SpeculativeDecoder
-from speculators_train.verify.proposers import Eagle3Proposer
 from speculators_train.verify.report import acceptance
 from speculators_train.verify.run import eos_ids, load_draft_for
-from speculators_train.verify.sampling import Sampling
 
 from .conftest import SHAREGPT, make_recipe
 from .test_verify import chat
@@ -128,8 +128,9 @@ def test_export_import_verify_round_trip_drafts_and_accepts_exactly_like_the_dra
 ):
     recipe, checkpoint = setup
     out = export(recipe, checkpoint, fmt, tmp_path / fmt, "float32").path
-    imported, read = load_draft_for(target, out)
-    assert read == out and imported.config.aux_layer_ids == draft.config.aux_layer_ids
+    loaded = load_draft_for(target, out)
+    imported = loaded.draft
+    assert loaded.path == out and imported.config.aux_layer_ids == draft.config.aux_layer_ids
     results = []
     for model in (draft, imported):
         proposer = Recording(model)

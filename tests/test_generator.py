@@ -16,9 +16,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from speculators_train.data.splits import load_splits
 from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_bytes
-from speculators_train.hidden_states.generator import generate, iter_online, load_splits, process_chunk
+from speculators_train.hidden_states.generator import generate, process_chunk
 from speculators_train.hidden_states.shards import TENSORS, HiddenStateShards, validate
 from speculators_train.packed import available
 from speculators_train.recipe import RegenerateConfig, load_recipe
@@ -114,9 +115,13 @@ def test_manifest_counts_token_freq_and_validate(generated):
 
 
 def test_online_mode_yields_the_same_samples(generated, target):
+    """Online training's source cuts the held-out split into the generator's chunks, with the same seeds: it holds
+    exactly the samples `generate` stored."""
+    from speculators_train.training.sources import OnlineSource
+
     recipe, _ = generated
-    stored = {s["id"]: s for s in HiddenStateShards(recipe.hidden_states_dir, "train")}
-    online = list(iter_online(recipe, target, "train"))
+    stored = {s["id"]: s for s in HiddenStateShards(recipe.hidden_states_dir, "held_out")}
+    online = OnlineSource(recipe, target, 1, 0, lambda value: value).held_out
     assert [s["id"] for s in online] == list(stored)
     for sample in online:
         for key in TENSORS[:-1]:

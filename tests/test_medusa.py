@@ -6,10 +6,12 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from speculators_train.models.medusa import MedusaConfig, MedusaDraft
-from speculators_train.training.medusa import medusa_loss
-from speculators_train.training.ttt import TargetHead, summarize
-from speculators_train.verify.proposers import best_paths, measured_tree, tree_from_paths
+from speculators_train.families.medusa.model import MedusaConfig, MedusaDraft
+from speculators_train.families.medusa.objective import medusa_loss
+from speculators_train.families.medusa.proposer import measured_tree
+from speculators_train.families.objective import summarize
+from speculators_train.proposal import best_paths, tree_from_paths
+from speculators_train.target import TargetHead
 
 V, H, T, HEADS = 16, 8, 12, 3
 
@@ -53,7 +55,7 @@ def test_heads_right_about_token_t_plus_2_plus_h_score_full_accuracy():
     head, batch, greedy = setup()
     right = oracle(lambda h, t: int(greedy[t + 1 + h]) if t + 1 + h < T else None)
     _, sums = medusa_loss(Scripted(right), batch, head, 0.8, hard=False)
-    out = summarize({k: float(v) for k, v in sums.items()}, HEADS)
+    out = summarize(sums, HEADS)
     assert [out[f"full_acc_{h}"] for h in range(HEADS)] == [1.0] * HEADS
     assert out[f"predicted_al_{HEADS}"] == 1.0 + HEADS
     assert [out[f"top1_acc_{h}"] for h in range(HEADS)] == [1.0] * HEADS
@@ -62,7 +64,7 @@ def test_heads_right_about_token_t_plus_2_plus_h_score_full_accuracy():
         lambda h, t: int(greedy[t + h]) if t + h < T else None
     )  # one token early: what the target's own head would say
     _, sums = medusa_loss(Scripted(early), batch, head, 0.8, hard=False)
-    out = summarize({k: float(v) for k, v in sums.items()}, HEADS)
+    out = summarize(sums, HEADS)
     assert out["full_acc_0"] < 0.5
 
 
@@ -71,7 +73,7 @@ def test_the_mask_is_that_of_the_predicted_token_and_hard_labels_are_the_tokens_
     batch["loss_mask"][0, :5] = False  # a prompt: tokens 0..4 are not trained
     _, sums = medusa_loss(Scripted(oracle(lambda h, t: None)), batch, head, 0.8, hard=False)
     # head h at t predicts token t+2+h, trained iff t+2+h >= 5 and it exists: t in [max(0, 3-h), T-3-h]
-    assert [int(sums[f"tokens_{h}"]) for h in range(HEADS)] == [T - 2 - h - max(0, 3 - h) for h in range(HEADS)]
+    assert [int(sums[f"top1_acc_{h}"][1]) for h in range(HEADS)] == [T - 2 - h - max(0, 3 - h) for h in range(HEADS)]
 
     labels = batch["input_ids"][0]
     by_label = oracle(lambda h, t: int(labels[t + 2 + h]) if t + 2 + h < T else None)
@@ -87,7 +89,7 @@ def test_rank_counts_place_each_heads_hit_at_the_rank_it_gave_the_target_token()
     decoy = min(set(range(V)) - set(greedy.tolist()))  # a token the target never picks here
     logits[:, :, 0::2, decoy] += 30.0  # at even positions a wrong token outranks the right one
     _, sums = medusa_loss(Scripted(logits), batch, head, 0.8, hard=False)
-    out = summarize({k: float(v) for k, v in sums.items()}, HEADS)
+    out = summarize(sums, HEADS)
     for h in range(HEADS):
         scored = T - 2 - h  # positions t with a token t+2+h
         even = (scored + 1) // 2

@@ -11,14 +11,15 @@ from safetensors.torch import load_file, save_file
 
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
-from speculators_train.models.medusa import MedusaDraft
-from speculators_train.models.vocab import build_vocab_mapping, draft_to_target
+from speculators_train.families.medusa.model import MedusaDraft
+from speculators_train.families.medusa.proposer import MedusaProposer, measured_tree
+from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
+from speculators_train.proposal import Sampling, TreeSpec
 from speculators_train.recipe import load_recipe
+from speculators_train.target import StateSpec
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.decoder import SpeculativeDecoder
-from speculators_train.verify.proposers import MedusaProposer, TreeSpec, measured_tree
 from speculators_train.verify.run import eos_ids, load_draft_for
-from speculators_train.verify.sampling import Sampling
 
 from .conftest import SHAREGPT, make_recipe
 from .test_sampling_rules import tv, tv_threshold
@@ -73,10 +74,10 @@ def test_greedy_medusa_output_is_the_targets_own(target, prompts, references, he
 
 
 class RecordingOracle(NoisyOracle):
-    """Reads the target's final states as Medusa heads do (state "final") and records, per committed position,
-    the row it was given; proposes a noisy oracle so acceptance varies from step to step."""
+    """Reads the target's final states as Medusa heads do and records, per committed position, the row it was
+    given; proposes a noisy oracle so acceptance varies from step to step."""
 
-    state = "final"
+    states = StateSpec(final=True)
 
     def __init__(self, reference: list[int]) -> None:
         super().__init__(reference)
@@ -159,7 +160,7 @@ def test_medusa_export_is_the_vllm_medusa_layout_and_reloads_to_the_same_proposa
 ):
     recipe, checkpoint, result = exported
     config = json.loads((result.path / "config.json").read_text())
-    # What vLLM's Medusa model reads (SPEC section 5), and the speculators-style fields.
+    # What vLLM's Medusa model reads, and the speculators-style fields.
     assert config["architectures"] == ["MedusaModel"] and config["model_type"] == "medusa"
     assert (config["hidden_size"], config["vocab_size"], config["num_heads"], config["num_hidden_layers"]) == (
         576,
@@ -183,15 +184,16 @@ def test_medusa_export_is_the_vllm_medusa_layout_and_reloads_to_the_same_proposa
     assert weights["token_map"].tolist() == draft_to_target(heads.d2t).tolist()
     assert "# Medusa heads for HuggingFaceTB/SmolLM2-135M-Instruct" in (result.path / "README.md").read_text()
 
-    imported, read = load_draft_for(target, result.path)
-    assert read == result.path and isinstance(imported, MedusaDraft)
+    loaded = load_draft_for(target, result.path)
+    imported = loaded.draft
+    assert loaded.path == result.path and isinstance(imported, MedusaDraft) and loaded.family.name == "medusa"
     runs = []
     for draft in (heads, imported):
         proposer = MedusaProposer(draft, target.final_norm)
         runs.append(SpeculativeDecoder(target, proposer, GREEDY, HEADS).generate(prompts[0], 30, eos_ids(target)))
     assert runs[0].tokens == runs[1].tokens and runs[0].accepted == runs[1].accepted
 
-    with pytest.raises(UserError, match="SGLang has no Medusa speculator"):
+    with pytest.raises(UserError, match=r"a medusa draft; its export formats are \['speculators'\]"):
         export(recipe, checkpoint, "sglang", result.path.parent / "sglang", "float32")
 
 
@@ -205,7 +207,7 @@ def test_a_vllm_medusa_directory_made_elsewhere_loads(tmp_path, target, prompts,
     config = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": 576, "vocab_size": 49152}
     config.update(num_heads=HEADS, num_hidden_layers=1, truncated_vocab_size=49152, original_lm_head=True)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    imported, _ = load_draft_for(target, tmp_path)
+    imported = load_draft_for(target, tmp_path).draft
     hidden = torch.randn(576)
     with torch.no_grad():
         block = heads.blocks[1].layers[0]

@@ -13,6 +13,7 @@ from speculators_train.data.mix import load_mix_config, read_source
 from speculators_train.errors import UserError
 from speculators_train.osd.distill import Buffer, OnlineDistiller, Scored, gate
 from speculators_train.recipe import load_recipe
+from speculators_train.target import StateSpec
 from speculators_train.training.checkpoint import save_checkpoint
 
 from .conftest import SHAREGPT, make_recipe
@@ -73,7 +74,7 @@ def setup(tmp_path, random_draft):  # noqa: F811
         tmp_path,
         [{"name": "sharegpt", "path": SHAREGPT, "max_records": 30}],
         osd=osd,
-        eagle3={"ttt_steps": 3},
+        draft={"family": "eagle3", "ttt_steps": 3},
         eval={"num_speculative_tokens": 3, "max_new_tokens": 24},
         training={"wandb": {"mode": "offline"}},
     )
@@ -134,9 +135,8 @@ def test_distillation_promotes_a_better_draft_refuses_a_worse_one_and_resumes(tm
 
 
 def test_the_general_suite_is_captured_at_the_layers_the_adapted_draft_reads(tmp_path, target):
-    from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
+    from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
 
-    saved = list(target.aux_layer_ids)
     draft = Eagle3Draft(Eagle3Config.for_target(target.config, [1, 10, 20], 256, False))
     init = save_checkpoint(tmp_path / "init", 1, draft, None, {"step": 1}, keep_last=1)
     logs = tmp_path / "logs"
@@ -145,12 +145,54 @@ def test_the_general_suite_is_captured_at_the_layers_the_adapted_draft_reads(tmp
     recipe = load_recipe(
         make_recipe(tmp_path, sources, osd={"init_from": str(init), "general_records": 2}, eval={"max_new_tokens": 16})
     )
-    try:
-        distiller = OnlineDistiller(recipe, logs, target)
-        sample = distiller.general[0]
-        target.aux_layer_ids = [1, 10, 20]
-        ids = sample["input_ids"][None]
-        aux, _ = target.hidden_states(ids, torch.ones_like(ids))
-        torch.testing.assert_close(sample["aux_hidden_states"].float(), aux[0], rtol=1e-4, atol=1e-4)
-    finally:
-        target.aux_layer_ids = saved
+    distiller = OnlineDistiller(recipe, logs, target)
+    sample = distiller.general[0]
+    ids = sample["input_ids"][None]
+    aux, _ = target.hidden_states(ids, torch.ones_like(ids), StateSpec((1, 10, 20)))
+    torch.testing.assert_close(sample["aux_hidden_states"].float(), aux[0], rtol=1e-4, atol=1e-4)
+    assert target.aux_layer_ids == [2, 15, 27], "the draft's layers are passed to each capture, not set on the target"
+
+
+def test_medusa_heads_are_scored_distilled_gated_and_versioned_by_the_same_loop(tmp_path, target):
+    """Online distillation is not EAGLE-3's: heads read only the final state, train through the trainer's step with
+    the OSD divergence, and each version is exported in their own (vLLM Medusa) layout."""
+    from speculators_train import families
+    from speculators_train.families.drafts import draft_state_dict
+    from speculators_train.recipe import TargetConfig
+    from speculators_train.target import load_head_weights
+
+    medusa = families.get("medusa")
+    settings = {"family": "medusa", "num_heads": 3, "draft_vocab_size": 2048}
+    config, weights = load_head_weights(TargetConfig())
+    freq = torch.zeros(target.vocab_size, dtype=torch.int64)
+    freq[:2048] = 1  # the lowest ids: BPE's most frequent merges
+    heads = medusa.new_draft(medusa.settings(**settings), config, weights, freq, [])
+    init = save_checkpoint(tmp_path / "init", 1, heads, None, {"step": 1}, keep_last=1)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "day1.jsonl").write_text("\n".join(log_lines(tmp_path, 24)) + "\n")
+    osd = {"init_from": str(init), "update_interval": 24, "steps_per_update": 15, "learning_rate": 2e-3}
+    osd.update(held_out_fraction=0.25, general_records=2, buffer_size=12)
+    recipe = load_recipe(
+        make_recipe(
+            tmp_path,
+            [{"name": "sharegpt", "path": SHAREGPT, "max_records": 30}],
+            osd=osd,
+            draft=settings,
+            eval={"num_speculative_tokens": 3, "max_new_tokens": 24},
+            training={"wandb": {"mode": "disabled"}},
+        )
+    )
+    distiller = OnlineDistiller(recipe, logs, target)
+    assert distiller.general and all("aux_hidden_states" not in s for s in distiller.general)  # final state only
+    (first,) = distiller.run()
+    assert first["records_seen"] == 24
+    # Heads that start as the target's own lm_head name token t+1, not t+2+h: distilling must beat them.
+    assert first["promoted"], first["reason"]
+    assert first["candidate_log_al"] > first["log_al"] >= 1.0
+    trained = draft_state_dict(distiller.trainee)
+    assert any(not torch.equal(trained[k], v) for k, v in draft_state_dict(heads).items())
+    root = recipe.run_dir / "osd"
+    for version in ("v0000", "v0001"):
+        config = json.loads((root / "versions" / version / "speculators" / "config.json").read_text())
+        assert config["model_type"] == "medusa" and config["num_heads"] == 3

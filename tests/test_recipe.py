@@ -4,7 +4,8 @@ import pytest
 
 from speculators_train.data.mix import load_mix_config
 from speculators_train.errors import UserError
-from speculators_train.recipe import load_recipe, parse_overrides
+from speculators_train.recipe import load_recipe
+from speculators_train.schema import parse_overrides
 
 from .conftest import REPO
 
@@ -93,16 +94,61 @@ def test_missing_mix_file_names_key(tmp_path):
         recipe.resolve_path(recipe.data.mix, "data.mix")
 
 
-def test_invalid_training_and_eagle3_keys(tmp_path):
+def test_invalid_training_and_draft_keys(tmp_path):
     path = write(
-        tmp_path, "name: x\ndata: {mix: m.yaml}\ntraining: {learning_rate: -1, batch: 4}\neagle3: {ttt_steps: 0}\n"
+        tmp_path,
+        "name: x\ndata: {mix: m.yaml}\ntraining: {learning_rate: -1, batch: 4}\n"
+        "draft: {family: eagle3, ttt_steps: 0, step_decy: 0.5}\n",
     )
     with pytest.raises(UserError) as err:
         load_recipe(path)
     text = str(err.value)
     assert f"{path}: training.learning_rate: Input should be greater than 0 (got -1)" in text
     assert f"{path}: training.batch: unknown key (did you mean batch_size?)" in text
-    assert f"{path}: eagle3.ttt_steps: Input should be greater than 0 (got 0)" in text
+    # The family's own section: its keys are named as written (the family tag is not part of the key).
+    assert f"{path}: draft.ttt_steps: Input should be greater than 0 (got 0)" in text
+    assert f"{path}: draft.step_decy: unknown key (did you mean step_decay?)" in text
+
+
+def test_the_draft_section_names_a_registered_family(tmp_path):
+    for text, message in (
+        ("draft: {ttt_steps: 3}", r"draft\.family: is missing \(one of 'eagle3', 'medusa'\)"),
+        ("draft: {family: eagle4}", r"draft\.family: 'eagle4' is not registered \(one of 'eagle3', 'medusa'\)"),
+        ("draft: {family: medusa, ttt_steps: 3}", r"draft\.ttt_steps: unknown key \(allowed: draft_vocab_size"),
+    ):
+        with pytest.raises(UserError, match=message):
+            load_recipe(write(tmp_path, f"name: x\ndata: {{mix: m.yaml}}\n{text}\n"))
+    assert load_recipe(write(tmp_path, "name: x\ndata: {mix: m.yaml}\n")).draft.family == "eagle3"  # the default
+
+
+def test_a_recipe_in_the_old_layout_is_told_the_new_spelling_with_its_own_values(tmp_path):
+    old = "name: x\ndata: {mix: m.yaml}\ntraining: {algorithm: medusa, epochs: 2}\nmedusa: {num_heads: 3}\n"
+    with pytest.raises(UserError) as err:
+        load_recipe(write(tmp_path, old))
+    assert str(err.value) == (
+        f"{tmp_path / 'r.yaml'}: training.algorithm, medusa: is the old layout; the draft family and its settings "
+        "now read {draft: {family: medusa, num_heads: 3}}"
+    )
+    with pytest.raises(UserError, match=r"eagle3: is the old layout; .* \{draft: \{family: eagle3, ttt_steps: 2\}\}"):
+        load_recipe(write(tmp_path, "name: x\ndata: {mix: m.yaml}\neagle3: {ttt_steps: 2}\n"))
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ("draft: {family: medusa}\nexport: {format: sglang}", r"export\.format 'sglang': the medusa family writes"),
+        ("draft: {family: medusa}\ntraining: {init_from: x}", r"training\.init_from: medusa drafts start fresh"),
+        ("eval: {mode: tree, tree: {shape: measured}}", r"eval\.tree\.shape 'measured': eagle3 drafts grow"),
+        (
+            "draft: {family: eagle3, norm_before_residual: true}\nexport: {format: sglang}",
+            r"SGLang's LlamaForCausalLMEagle3 only implements false",
+        ),
+    ],
+    ids=["medusa-sglang", "medusa-init-from", "eagle3-measured-tree", "sglang-norm-before-residual"],
+)
+def test_family_rules_are_checked_when_the_recipe_loads(tmp_path, sections, message):
+    with pytest.raises(UserError, match=message):
+        load_recipe(write(tmp_path, f"name: x\ndata: {{mix: m.yaml}}\n{sections}\n"))
 
 
 @pytest.mark.parametrize("stage", [0, 3, 5])
@@ -113,6 +159,6 @@ def test_deepspeed_stage_must_be_one_or_two(tmp_path, stage):
 
 
 def test_max_length_must_leave_room_for_the_ttt_unroll(tmp_path):
-    path = write(tmp_path, "name: x\ndata: {mix: m.yaml, max_length: 8}\neagle3: {ttt_steps: 7}\n")
-    with pytest.raises(UserError, match=r"data\.max_length \(8\) must exceed eagle3\.ttt_steps \+ 1 \(8\)"):
+    path = write(tmp_path, "name: x\ndata: {mix: m.yaml, max_length: 8}\ndraft: {family: eagle3, ttt_steps: 7}\n")
+    with pytest.raises(UserError, match=r"data\.max_length \(8\) must exceed draft\.ttt_steps \+ 1 \(8\)"):
         load_recipe(path)

@@ -5,7 +5,7 @@ import pytest
 from speculators_train.data.conversations import Conversation, SkipReport, normalize_record
 from speculators_train.data.mix import load_mix
 from speculators_train.data.render import render, render_many
-from speculators_train.recipe import Section
+from speculators_train.schema import Section
 
 from .conftest import SHAREGPT
 

@@ -4,8 +4,8 @@ statistic would catch the classic bugs (bonus token from the draft, resampling f
 import pytest
 import torch
 
+from speculators_train.proposal import Sampling
 from speculators_train.verify import sampling as rules
-from speculators_train.verify.sampling import Sampling
 
 N = 20_000
 

@@ -30,7 +30,7 @@ TRAIN = {
     "wandb": {"mode": "disabled"},
     "warmup_ratio": 0.0,
 }
-EAGLE3 = {"draft_vocab_size": 1024, "ttt_steps": 3}
+EAGLE3 = {"family": "eagle3", "draft_vocab_size": 1024, "ttt_steps": 3}
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +43,14 @@ def states(tmp_path_factory, target):
 
 
 def run_recipe(tmp_path: Path, states: Path, **sections) -> Path:
-    """A recipe whose run dir already holds `states`, so each test trains on the same hidden states."""
+    """A recipe whose run dir already holds `states`, so each test trains on the same hidden states (an EAGLE-3
+    draft unless `draft` names another family)."""
+    draft = sections.pop("draft", {})
     path = make_recipe(
         tmp_path,
         [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}],
         training={**TRAIN, **sections.pop("training", {})},
-        eagle3={**EAGLE3, **sections.pop("eagle3", {})},
+        draft=draft if "family" in draft else {**EAGLE3, **draft},
         **sections,
     )
     shutil.copytree(states, tmp_path / "run" / "hidden_states")
@@ -67,7 +69,7 @@ def losses(run: Path) -> dict[int, float]:
 
 def test_tiny_draft_overfits_real_samples(tmp_path, states):
     recipe = load_recipe(
-        run_recipe(tmp_path, states, training={"epochs": 50, "log_every_steps": 3}, eagle3={"ttt_steps": 2})
+        run_recipe(tmp_path, states, training={"epochs": 50, "log_every_steps": 3}, draft={"ttt_steps": 2})
     )
     trainer = Trainer(recipe)
     trainer.train()
@@ -163,7 +165,7 @@ def test_deepspeed_zero2_on_two_cpu_ranks_matches_ddp_and_resumes_exactly(tmp_pa
 
 
 def test_best_checkpoint_survives_pruning_and_loads(tmp_path, states):
-    from speculators_train.training.checkpoint import load_draft, read_pointer
+    from speculators_train.families.drafts import load_checkpoint, read_pointer
 
     recipe = load_recipe(run_recipe(tmp_path, states, training={"epochs": 3, "keep_last": 1}))
     trainer = Trainer(recipe)
@@ -173,7 +175,7 @@ def test_best_checkpoint_survives_pruning_and_loads(tmp_path, states):
     assert best["metric"] == "predicted_al_3" and best["value"] >= 1.0
     assert (root / f"step-{best['step']:06d}").is_dir()
     assert len([p for p in root.glob("step-*")]) <= 2
-    draft = load_draft(root / f"step-{trainer.state['step']:06d}")
+    _, draft = load_checkpoint(root / f"step-{trainer.state['step']:06d}")
     assert draft.d2t.dtype == torch.int64 and draft.t2d.dtype == torch.bool
     assert draft.lm_head.weight.shape[0] == 1024 and 0 < metrics["full_acc_0"] <= 1
 
@@ -195,7 +197,7 @@ def test_online_training_writes_no_states_and_resumes_exactly(tmp_path, monkeypa
     sections = {
         "generation": {"hidden_states": "online", "samples_per_shard": 8},
         "training": {**TRAIN, "epochs": 2, "save_every_steps": 1},
-        "eagle3": EAGLE3,
+        "draft": EAGLE3,
     }
     sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}]
     clean = load_recipe(make_recipe(tmp_path / "clean", sources, **sections))
@@ -227,8 +229,9 @@ def test_online_training_writes_no_states_and_resumes_exactly(tmp_path, monkeypa
 def test_checkpoint_pointer_to_a_missing_step_falls_back_to_the_newest_complete(tmp_path):
     from transformers import LlamaConfig
 
-    from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
-    from speculators_train.training.checkpoint import latest_checkpoint, save_checkpoint
+    from speculators_train.families.drafts import latest_checkpoint
+    from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
+    from speculators_train.training.checkpoint import save_checkpoint
 
     config = Eagle3Config.for_target(
         LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, vocab_size=40),
@@ -263,26 +266,26 @@ def test_empty_held_out_split_is_refused_before_training(tmp_path, states):
 
 def test_a_draft_exported_for_sglang_fine_tunes_from_its_own_weights_and_vocab(tmp_path, states, target):
     from speculators_train.export.run import export
-    from speculators_train.training.checkpoint import draft_state_dict, load_draft, resolve_checkpoint
+    from speculators_train.families.drafts import draft_state_dict, load_checkpoint, resolve_checkpoint
 
     first = load_recipe(run_recipe(tmp_path / "a", states))
     Trainer(first).train()
     exported = export(first, None, "sglang", tmp_path / "sglang", "float32").path
-    original = draft_state_dict(load_draft(resolve_checkpoint(tmp_path / "a" / "run")))
+    original = draft_state_dict(load_checkpoint(resolve_checkpoint(tmp_path / "a" / "run"))[1])
 
     training = {"init_from": str(exported), "learning_rate": 1e-4}
-    second = load_recipe(run_recipe(tmp_path / "b", states, training=training, eagle3={"draft_vocab_size": 512}))
+    second = load_recipe(run_recipe(tmp_path / "b", states, training=training, draft={"draft_vocab_size": 512}))
     trainer = Trainer(second)
     start = draft_state_dict(trainer.draft)
     assert start.keys() == original.keys()
     for name, tensor in original.items():  # the imported weights and vocab, not a fresh 512-id draft
         assert torch.equal(start[name], tensor), name
     trainer.train()
-    tuned = load_draft(resolve_checkpoint(tmp_path / "b" / "run"))
+    _, tuned = load_checkpoint(resolve_checkpoint(tmp_path / "b" / "run"))
     assert tuned.config.draft_vocab_size == 1024 and torch.equal(tuned.d2t, original["d2t"])
     assert not torch.equal(tuned.fc.weight, original["fc.weight"])
 
-    from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
+    from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
     from speculators_train.training.checkpoint import save_checkpoint
 
     other = Eagle3Draft(Eagle3Config.for_target(target.config, [3, 15, 27], 64, False))
@@ -293,11 +296,11 @@ def test_a_draft_exported_for_sglang_fine_tunes_from_its_own_weights_and_vocab(t
 
 
 def test_medusa_heads_learn_tokens_two_ahead_on_real_states_and_verify_with_their_measured_tree(tmp_path, states):
-    from speculators_train.models.medusa import MedusaDraft
-    from speculators_train.training.checkpoint import load_draft, resolve_checkpoint
+    from speculators_train.families.drafts import load_checkpoint, resolve_checkpoint
+    from speculators_train.families.medusa.model import MedusaDraft
 
-    medusa = {"num_heads": 3, "draft_vocab_size": 1024}
-    recipe = load_recipe(run_recipe(tmp_path, states, training={"algorithm": "medusa", "epochs": 8}, medusa=medusa))
+    medusa = {"family": "medusa", "num_heads": 3, "draft_vocab_size": 1024}
+    recipe = load_recipe(run_recipe(tmp_path, states, training={"epochs": 8}, draft=medusa))
     trainer = Trainer(recipe)
     before = trainer.validate()
     after = trainer.train()
@@ -312,7 +315,7 @@ def test_medusa_heads_learn_tokens_two_ahead_on_real_states_and_verify_with_thei
         for kind, rest in (("blocks", "layers.0.weight"), ("blocks", "layers.0.bias"), ("lm_heads", "weight"))
         for h in (0, 1)
     }
-    heads = load_draft(path)
+    _, heads = load_checkpoint(path)
     assert isinstance(heads, MedusaDraft) and heads.config.num_heads == 3
     held_out = json.loads((path / "trainer_state.json").read_text())["held_out"]
     assert held_out["rank0_acc_0"] == pytest.approx(after["top1_acc_0"])

@@ -11,15 +11,18 @@ from tqdm import tqdm
 from transformers import LlamaConfig
 
 from speculators_train.errors import UserError
-from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
-from speculators_train.models.vocab import build_vocab_mapping
+from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
+from speculators_train.families.eagle3.proposer import Eagle3Proposer
+from speculators_train.families.vocab import build_vocab_mapping
 from speculators_train.packed import available, packed_linears
+from speculators_train.proposal import DraftTree, Sampling, TreeSpec
 from speculators_train.recipe import load_recipe
+from speculators_train.target import StateSpec
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain, verify_width
-from speculators_train.verify.proposers import DraftTree, Eagle3Proposer, OracleProposer, TreeSpec
+from speculators_train.verify.oracle import OracleProposer
 from speculators_train.verify.run import eos_ids, load_draft_for
-from speculators_train.verify.sampling import Sampling, target_probs
+from speculators_train.verify.sampling import target_probs
 from speculators_train.verify.suites import load_suite
 
 from .conftest import REPO, SHAREGPT, make_recipe
@@ -219,7 +222,7 @@ class TargetSampler:
     """Proposes tokens sampled from the target's own distribution at temperature 1.6 (flatter than the T=1 it is
     verified at): drafts are accepted often but not always, so every branch of the rule runs."""
 
-    state = "aux"
+    states = StateSpec()  # reads no target state
 
     def __init__(self, target, prompt, memo=None):
         self.target, self.seq = target, list(prompt[:1])
@@ -310,7 +313,7 @@ def test_verify_command_writes_json_markdown_plot_and_the_recipe(tmp_path, targe
 
 
 def test_a_speculators_format_eagle3_made_elsewhere_loads_and_drafts_the_same(tmp_path, target, random_draft, prompts):
-    """A directory in the speculators/vLLM layout (written here by hand from SPEC section 5, not by our exporter)."""
+    """A directory in the speculators/vLLM layout (written here by hand as vLLM reads it, not by our exporter)."""
     from safetensors.torch import save_file
 
     cfg = random_draft.config
@@ -330,7 +333,7 @@ def test_a_speculators_format_eagle3_made_elsewhere_loads_and_drafts_the_same(tm
         },
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    imported, _ = load_draft_for(target, tmp_path)
+    imported = load_draft_for(target, tmp_path).draft
     ids = prompts[0]
     aux, _ = target.hidden_states(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
     mine, theirs = Eagle3Proposer(random_draft), Eagle3Proposer(imported)
@@ -339,7 +342,7 @@ def test_a_speculators_format_eagle3_made_elsewhere_loads_and_drafts_the_same(tm
     torch.testing.assert_close(theirs.logits, mine.logits)
     assert theirs.propose_chain(5, GREEDY, None) == mine.propose_chain(5, GREEDY, None)
     (tmp_path / "config.json").write_text(json.dumps({**config, "norm_before_residual": True}))
-    assert load_draft_for(target, tmp_path)[0].config.norm_before_residual  # the flag is read, not assumed
+    assert load_draft_for(target, tmp_path).draft.config.norm_before_residual  # the flag is read, not assumed
 
 
 def test_a_draft_cast_to_bf16_keeps_rope_frequencies_in_fp32(tmp_path, random_draft):
@@ -349,7 +352,7 @@ def test_a_draft_cast_to_bf16_keeps_rope_frequencies_in_fp32(tmp_path, random_dr
 
     save_checkpoint(tmp_path, 1, random_draft, None, {"step": 1}, keep_last=1)
     bf16 = load_target(TargetConfig(dtype="bfloat16", device="cpu"))
-    draft, _ = load_draft_for(bf16, tmp_path / "step-000001")
+    draft = load_draft_for(bf16, tmp_path / "step-000001").draft
     assert draft.fc.weight.dtype == torch.bfloat16
     assert draft.rotary_emb.inv_freq.dtype == torch.float32
     torch.testing.assert_close(draft.rotary_emb.inv_freq, random_draft.rotary_emb.inv_freq.float(), rtol=0, atol=0)

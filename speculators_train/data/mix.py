@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 from speculators_train.data.conversations import Conversation, SkipReport, normalize_record
 from speculators_train.data.readers import read_datasets, read_file
 from speculators_train.errors import UserError
-from speculators_train.recipe import Section, load_yaml_model
+from speculators_train.schema import Section, load_yaml_model
 
 
 class SourceConfig(Section):

@@ -1,1 +1,1 @@
-"""Draft formats engines read (speculators/vLLM, SGLang/EAGLE): written by `export`, read back for verify/train."""
+"""Export: a trained draft written in one of its family's layouts, with the tokenizer and a card."""

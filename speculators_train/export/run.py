@@ -10,29 +10,22 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import save_file
 
 from speculators_train import __version__
 from speculators_train.errors import UserError
-from speculators_train.export import medusa, sglang, speculators
-from speculators_train.export.drafts import check_fits, fill_embedding, load_any_draft
+from speculators_train.families.base import LoadedDraft
+from speculators_train.families.drafts import check_fits, load_draft
+from speculators_train.families.layouts import DTYPES
 from speculators_train.files import read_json
 from speculators_train.hidden_states.shards import MANIFEST
-from speculators_train.models.eagle3 import Eagle3Draft
-from speculators_train.models.medusa import MedusaDraft
 from speculators_train.recipe import Recipe
 from speculators_train.target import load_head_weights, resolve_source
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ENGINES = {"speculators": "vLLM (`vllm serve`) and the `speculators` library", "sglang": "SGLang (EAGLE3)"}
-MEDUSA_ENGINES = "vLLM releases with the `medusa` method (`MedusaModel`), and speculators-style readers"
 
 
 @dataclass
@@ -42,43 +35,6 @@ class Exported:
     verifier: str
     commands: list[str]
     notes: list[str]
-
-
-def export_weights(draft: Eagle3Draft, dtype: torch.dtype, rename=lambda name: name) -> dict[str, torch.Tensor]:
-    """Float tensors in `dtype`; the vocabulary maps stay int64 (d2t offsets) and bool (t2d), whatever `dtype` is."""
-    out = {}
-    for name, tensor in draft.state_dict().items():
-        if name == "d2t":
-            tensor = tensor.to(torch.int64)
-        elif name == "t2d":
-            tensor = tensor.to(torch.bool)
-        else:
-            tensor = tensor.to(dtype)
-        out[rename(name)] = tensor.detach().cpu().contiguous()
-    return out
-
-
-def serve_commands(fmt: str, out: Path, verifier: str, recipe: Recipe, heads: int | None = None) -> list[str]:
-    """The engine command lines; `heads` is set for Medusa, which vLLM takes only through --speculative-config."""
-    ev = recipe.eval
-    if heads is not None:
-        spec = {"model": str(out), "method": "medusa", "num_speculative_tokens": min(ev.num_speculative_tokens, heads)}
-        return [f"vllm serve {verifier} --speculative-config '{json.dumps(spec)}'"]
-    if fmt == "speculators":
-        spec = {"model": str(out), "method": "eagle3", "num_speculative_tokens": ev.num_speculative_tokens}
-        return [
-            f"vllm serve {shlex.quote(str(out))}",
-            f"vllm serve {verifier} --speculative-config '{json.dumps(spec)}'",
-        ]
-    if ev.mode == "tree":
-        steps, topk, tokens = ev.tree.depth, ev.tree.top_k, ev.tree.budget + 1
-    else:
-        steps, topk, tokens = ev.num_speculative_tokens, 1, ev.num_speculative_tokens + 1
-    return [
-        f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 "
-        f"--speculative-draft-model-path {shlex.quote(str(out))} --speculative-num-steps {steps} "
-        f"--speculative-eagle-topk {topk} --speculative-num-draft-tokens {tokens}"
-    ]
 
 
 def latest_verify_report(recipe: Recipe, checkpoint: Path) -> tuple[Path, list[dict[str, Any]]] | None:
@@ -94,48 +50,19 @@ def latest_verify_report(recipe: Recipe, checkpoint: Path) -> tuple[Path, list[d
     return None
 
 
-def _settings(draft: Eagle3Draft | MedusaDraft, fmt: str, recipe: Recipe) -> list[tuple[str, str]]:
-    """The card's architecture rows."""
-    cfg = draft.config
-    if isinstance(draft, MedusaDraft):
-        return [
-            ("target states read", "the last decoder layer's output after the final norm"),
-            ("heads", f"{cfg.num_heads} (head h proposes the token h+2 after the last verified one)"),
-            ("residual blocks per head", str(cfg.num_layers)),
-            ("draft vocabulary", f"{cfg.draft_vocab_size} of {cfg.target_vocab_size} target ids (`token_map`)"),
-            ("speculative tokens", str(min(recipe.eval.num_speculative_tokens, cfg.num_heads))),
-        ]
-    ids = f"{cfg.aux_layer_ids} (the residual stream entering layer k, as vLLM counts)"
-    if fmt == "sglang":
-        ids += f"; written as {[i - 1 for i in cfg.aux_layer_ids]} in `eagle_config`, as SGLang counts"
-    return [
-        ("target states read", ids),
-        ("draft vocabulary", f"{cfg.draft_vocab_size} of {cfg.target_vocab_size} target ids"),
-        ("speculative tokens", str(recipe.eval.num_speculative_tokens)),
-        ("norm_before_residual", str(cfg.norm_before_residual).lower()),
-    ]
-
-
 def model_card(
-    recipe: Recipe,
-    draft: Eagle3Draft | MedusaDraft,
-    fmt: str,
-    dtype: str,
-    verifier: str,
-    checkpoint: Path,
-    commands: list[str],
+    recipe: Recipe, loaded: LoadedDraft, fmt: str, dtype: str, verifier: str, k: int, commands: list[str]
 ) -> str:
-    is_medusa = isinstance(draft, MedusaDraft)
+    family, checkpoint = loaded.family, loaded.path
     lines = [
-        f"# {'Medusa heads' if is_medusa else 'EAGLE-3 draft'} for {verifier}",
+        f"# {family.title} for {verifier}",
         "",
-        f"Exported by speculators_train {__version__} in the `{fmt}` format, for "
-        f"{MEDUSA_ENGINES if is_medusa else ENGINES[fmt]}.",
+        f"Exported by speculators_train {__version__} in the `{fmt}` format, for {family.layouts[fmt].engines}.",
         "",
         "| setting | value |",
         "|---|---|",
         f"| target (verifier) | `{verifier}` |",
-        *(f"| {name} | {value} |" for name, value in _settings(draft, fmt, recipe)),
+        *(f"| {name} | {value} |" for name, value in family.card_rows(loaded.draft, fmt, k)),
         f"| dtype | {dtype} |",
         "",
         "## Data",
@@ -155,12 +82,13 @@ def model_card(
     state_file = checkpoint / "trainer_state.json"
     if state_file.is_file():
         state = read_json(state_file, "trainer state")
+        identity = state.get("identity") or {}
         t = recipe.training
+        settings = ", ".join(f"{key} {value}" for key, value in (identity.get("draft") or {}).items())
         lines.append(
             f"Step {state.get('step')} (epoch {state.get('epoch')}), {state.get('tokens')} tokens seen; "
             f"lr {t.learning_rate:g}, {t.batch_size} samples x {t.gradient_accumulation_steps} accumulation x "
-            f"{(state.get('identity') or {}).get('world_size', 1)} ranks per step"
-            + ("." if is_medusa else f", {recipe.eagle3.ttt_steps} TTT steps.")
+            f"{identity.get('world_size', 1)} ranks per step" + (f"; draft settings: {settings}." if settings else ".")
         )
         if state.get("best"):
             best = state["best"]
@@ -200,10 +128,10 @@ def export(
     dtype: str | None = None,
     force: bool = False,
 ) -> Exported:
+    """Write the draft at `checkpoint` (default: the recipe's best) in its family's layout `fmt` (default:
+    export.format)."""
     fmt = fmt or recipe.export.format
     dtype = dtype or recipe.export.dtype
-    if fmt not in ENGINES:
-        raise UserError(f"--format {fmt!r}: expected one of {sorted(ENGINES)}")
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: expected one of {sorted(DTYPES)}")
     out = out or recipe.run_dir / "export" / fmt
@@ -212,16 +140,15 @@ def export(
     source, hub_id = resolve_source(recipe.target)
     target_config, head = load_head_weights(recipe.target)
     num_layers = target_config.num_hidden_layers
-    draft, has_embedding, checkpoint = load_any_draft(
-        checkpoint or recipe.run_dir / "train" / "checkpoints", num_layers
-    )
-    check_fits(checkpoint, draft.config, target_config.hidden_size, target_config.vocab_size, num_layers)
-    fill_embedding(draft, has_embedding, head["embed"])
-    is_medusa = isinstance(draft, MedusaDraft)
-    if fmt == "sglang" and is_medusa:
-        raise UserError(f"{checkpoint}: Medusa heads; SGLang has no Medusa speculator, use --format speculators")
-    if fmt == "sglang" and (problems := sglang.unsupported(draft.config)):
-        raise UserError(f"{checkpoint}: cannot export for SGLang: {'; '.join(problems)}")
+    loaded = load_draft(checkpoint or recipe.run_dir / "train" / "checkpoints", num_layers)
+    check_fits(loaded, target_config.hidden_size, target_config.vocab_size, num_layers)
+    family, draft = loaded.family, loaded.draft
+    family.attach_target(draft, head["embed"], loaded.has_embedding)
+    layout = family.layouts.get(fmt)
+    if layout is None:
+        raise UserError(f"{loaded.path}: a {family.name} draft; its export formats are {list(family.layouts)}")
+    if problems := layout.unsupported(draft):
+        raise UserError(f"{loaded.path}: cannot export in the {fmt} layout: {'; '.join(problems)}")
 
     verifier = recipe.export.verifier or hub_id or recipe.target.name_or_path
     notes = []
@@ -230,18 +157,11 @@ def export(
             f"verifier {verifier!r} is a local path: a serving machine must have it there too, and vLLM's "
             "one-argument `vllm serve <dir>` needs a hub id (set export.verifier)"
         )
-    commands = serve_commands(fmt, out, verifier, recipe, draft.config.num_heads if is_medusa else None)
+    cap = family.max_draft_tokens(draft)
+    k = recipe.eval.num_speculative_tokens if cap is None else min(recipe.eval.num_speculative_tokens, cap)
+    commands = layout.commands(out, verifier, recipe.eval, k)
     architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
-    k = recipe.eval.num_speculative_tokens
-    if is_medusa:
-        config = medusa.medusa_config(draft.config, verifier, architectures, k, dtype)
-        weights = medusa.medusa_weights(draft, DTYPES[dtype])
-    elif fmt == "speculators":
-        config = speculators.speculators_config(draft.config, verifier, architectures, k, dtype)
-        weights = export_weights(draft, DTYPES[dtype])
-    else:
-        config = sglang.sglang_config(draft.config, dtype)
-        weights = export_weights(draft, DTYPES[dtype], sglang.weight_name)
+    config, weights = layout.write(draft, dtype, verifier, architectures, k)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -256,8 +176,7 @@ def export(
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(source, revision=recipe.target.revision).save_pretrained(tmp)
-        card = model_card(recipe, draft, fmt, dtype, verifier, checkpoint, commands)
-        (tmp / "README.md").write_text(card)
+        (tmp / "README.md").write_text(model_card(recipe, loaded, fmt, dtype, verifier, k, commands))
         _replace(tmp, out)
     except OSError as exc:
         raise UserError(f"could not write the export to {out}: {exc}") from None

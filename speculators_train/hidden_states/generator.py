@@ -7,8 +7,6 @@ it is fully on disk, so a killed run resumes at the first unlisted shard: nothin
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from collections.abc import Iterator
@@ -22,16 +20,16 @@ from safetensors.torch import save
 from tqdm import tqdm
 
 from speculators_train.data.conversations import Conversation, SkipReport
-from speculators_train.data.mix import Splits, load_mix
+from speculators_train.data.mix import Splits
 from speculators_train.data.regenerate import regenerate
 from speculators_train.data.render import Sample, render_many
+from speculators_train.data.splits import SPLITS, chunk_seed, chunks, data_fingerprint, load_splits
 from speculators_train.distributed import process_state
 from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_bytes, atomic_write_json, read_json, remove_stale_temporaries
 from speculators_train.hidden_states.shards import (
     FORMAT,
     MANIFEST,
-    SPLITS,
     TOKEN_FREQ,
     VERSION,
     read_manifest,
@@ -40,22 +38,9 @@ from speculators_train.hidden_states.shards import (
 )
 from speculators_train.recipe import Recipe, RegenerateConfig
 from speculators_train.runinfo import write_run_info
-from speculators_train.target import DTYPES, Target, load_target
+from speculators_train.target import DTYPES, StateSpec, Target, load_target
 
 log = logging.getLogger(__name__)
-
-
-def load_splits(recipe: Recipe) -> Splits:
-    mix_path = recipe.resolve_path(recipe.data.mix, "data.mix")
-    return load_mix(mix_path, recipe.data.held_out_fraction)
-
-
-def data_fingerprint(splits: Splits) -> str:
-    digest = hashlib.sha256()
-    for split in SPLITS:
-        for conv in getattr(splits, split):
-            digest.update(json.dumps([split, conv.id, conv.messages]).encode())
-    return digest.hexdigest()[:16]
 
 
 def generation_identity(recipe: Recipe, target: Target, splits: Splits, world_size: int) -> dict[str, Any]:
@@ -118,20 +103,21 @@ def padded_batches(
         yield batch, lengths, ids.to(device), mask.to(device) if min(lengths) < max(lengths) else None
 
 
-def capture(target: Target, samples: list[Sample], max_tokens: int, dtype: torch.dtype) -> list[dict[str, Any]]:
-    """Hidden states for each sample (original order), unpadded, on CPU in the storage dtype."""
+def capture(
+    target: Target, samples: list[Sample], max_tokens: int, dtype: torch.dtype, spec: StateSpec | None = None
+) -> list[dict[str, Any]]:
+    """Hidden states for each sample (original order), unpadded, on CPU in the storage dtype: the final state, and
+    the aux states of `spec` (default: the recipe's, what `generate` stores) unless it reads none."""
     out: list[dict[str, Any] | None] = [None] * len(samples)
     for batch, lengths, ids, attention in padded_batches(samples, max_tokens, target.device):
-        aux, final = target.hidden_states(ids, attention)
-        aux, final = aux.to(dtype).cpu(), final.to(dtype).cpu()
+        aux, final = target.hidden_states(ids, attention, spec)
+        final = final.to(dtype).cpu()
+        aux = aux.to(dtype).cpu() if aux is not None else None
         for row, (i, n) in enumerate(zip(batch, lengths, strict=True)):
-            out[i] = {
-                "id": samples[i].id,
-                "input_ids": samples[i].input_ids,
-                "loss_mask": samples[i].loss_mask,
-                "aux_hidden_states": aux[row, :n].clone(),
-                "hidden_state": final[row, :n].clone(),
-            }
+            out[i] = {"id": samples[i].id, "input_ids": samples[i].input_ids, "loss_mask": samples[i].loss_mask}
+            if aux is not None:
+                out[i]["aux_hidden_states"] = aux[row, :n].clone()
+            out[i]["hidden_state"] = final[row, :n].clone()
     return out
 
 
@@ -141,8 +127,11 @@ class ChunkResult:
     skips: SkipReport
 
 
-def process_chunk(recipe: Recipe, target: Target, chunk: list[Conversation], seed: int) -> ChunkResult:
-    """Conversations -> (optionally regenerated) -> rendered -> hidden states. Shared by offline and online."""
+def process_chunk(
+    recipe: Recipe, target: Target, chunk: list[Conversation], seed: int, spec: StateSpec | None = None
+) -> ChunkResult:
+    """Conversations -> (optionally regenerated) -> rendered -> hidden states (`spec`: see `capture`). Shared by
+    offline shards, online training and online distillation."""
     skips = SkipReport()
     data, max_tokens = recipe.data, recipe.generation.max_tokens_per_batch
     # One packed copy of the target's weights per chunk (CPU float32, `target.cpu_packed_weights`), for
@@ -152,23 +141,8 @@ def process_chunk(recipe: Recipe, target: Target, chunk: list[Conversation], see
             chunk = regenerate(chunk, target.model, target.tokenizer, data.regenerate, data.max_length, seed)
         rendered = render_many(chunk, target.tokenizer, data.max_length, data.overlong, skips)
         samples = [s for s in rendered if s is not None]
-        return ChunkResult(capture(target, samples, max_tokens, DTYPES[recipe.generation.storage_dtype]), skips)
-
-
-def chunks(records: list[Conversation], size: int) -> list[list[Conversation]]:
-    return [records[k : k + size] for k in range(0, len(records), size)]
-
-
-def chunk_seed(recipe: Recipe, split: str, rank: int, index: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"{recipe.seed}:{split}:{rank}:{index}".encode()).digest()[:4], "big")
-
-
-def iter_online(recipe: Recipe, target: Target, split: str = "train", rank: int = 0, world_size: int = 1):
-    """The same samples an offline run would store for this rank and split, produced in memory."""
-    splits = load_splits(recipe)
-    records = getattr(splits, split)[rank::world_size]
-    for k, chunk in enumerate(chunks(records, recipe.generation.samples_per_shard)):
-        yield from process_chunk(recipe, target, chunk, chunk_seed(recipe, split, rank, k)).samples
+        states = capture(target, samples, max_tokens, DTYPES[recipe.generation.storage_dtype], spec)
+        return ChunkResult(states, skips)
 
 
 class Progress:

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from speculators_train.data.splits import SPLITS
 from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_bytes, read_json, sha256_bytes, sha256_file
 
@@ -29,7 +30,6 @@ FORMAT = "speculators_train.hidden_states"
 VERSION = 1
 MANIFEST = "manifest.json"
 TOKEN_FREQ = "token_freq.safetensors"
-SPLITS = ("train", "held_out")
 TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_state", "offsets")
 
 

@@ -1,10 +1,11 @@
-"""Online speculative distillation (SPEC section 8): score logged traffic with the current draft, keep the records
-where it fails, distil on them, and promote a new version only when it measurably helps.
+"""Online speculative distillation: score logged traffic with the current draft, keep the records where it fails,
+distil on them, and promote a new version only when it measurably helps. Any family with an objective works:
+the draft's family scores, distils and exports it, through the trainer's own training step.
 
     <run dir>/osd/ingest/...            exactly-once log ingestion (osd/ingest.py)
     <run dir>/osd/general.json          the general suite every version is held to (eval.suites, target-answered)
     <run dir>/osd/progress.json         entries consumed, records seen, current version (the commit point)
-    <run dir>/osd/versions/vNNNN/       checkpoint/ (ours) and speculators/ (`vllm serve` it)
+    <run dir>/osd/versions/vNNNN/       checkpoint/ (ours) and the export in the recipe's export.format
     <run dir>/osd/trainee/step-NNNNNN/  the draft in training and its optimizer, after update NNNNNN
     <run dir>/osd/current -> versions/vNNNN     replaced atomically on promotion
     <run dir>/osd/history.jsonl         one line per update: acceptance before/after, promoted or why not
@@ -35,21 +36,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from speculators_train.data.conversations import Conversation
 from speculators_train.data.mix import is_held_out
 from speculators_train.errors import UserError
-from speculators_train.export.drafts import check_fits, fill_embedding, load_any_draft
+from speculators_train.families import get
+from speculators_train.families.base import Family, LoadedDraft
+from speculators_train.families.drafts import check_fits, load_checkpoint, load_draft
+from speculators_train.families.objective import predicted_al_key, summarize
 from speculators_train.files import atomic_write_json, read_json
 from speculators_train.hidden_states.generator import process_chunk
-from speculators_train.models.eagle3 import Eagle3Draft
 from speculators_train.osd.ingest import IngestStats, LogIngestor, Redactor
 from speculators_train.recipe import Recipe
-from speculators_train.target import Target, load_target
+from speculators_train.target import StateSpec, Target, TargetHead, load_target
 from speculators_train.tracking import init_wandb
 from speculators_train.training import checkpoint as ckpt
 from speculators_train.training.data import collate
-from speculators_train.training.ttt import TargetHead, summarize, ttt_loss
+from speculators_train.training.step import accelerator, optimizer, train_step, trainable
 from speculators_train.verify.suites import answered, load_suite
 
 log = logging.getLogger(__name__)
@@ -87,23 +91,39 @@ class Buffer:
         return [item.sample for item in rng.choices(self.items, weights=weights, k=min(size, len(self.items)))]
 
 
-def acceptance(draft: Eagle3Draft, head: TargetHead, samples: list[Sample], k: int, batch_size: int = 4) -> float:
-    """Teacher-forced AL(k) over samples (positions pooled)."""
-    sums: dict[str, float] = {}
-    with torch.no_grad():
-        for start in range(0, len(samples), batch_size):
-            _, metrics = ttt_loss(draft, collate(samples[start : start + batch_size]), head, k, 1.0)
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
-    return summarize(sums, k, k)[f"predicted_al_{k}"] if sums else 1.0
+def on_device(batch: dict[str, torch.Tensor], like: nn.Module) -> dict[str, torch.Tensor]:
+    device = next(like.parameters()).device
+    return {name: tensor.to(device) for name, tensor in batch.items()}
 
 
-def score(draft: Eagle3Draft, head: TargetHead, record_id: str, sample: Sample, k: int) -> Scored:
-    with torch.no_grad():
-        _, metrics = ttt_loss(draft, collate([sample]), head, k, 1.0)
-    sums = {key: float(v) for key, v in metrics.items()}
-    summary = summarize(sums, k, k)
-    return Scored(record_id, sample, summary[f"predicted_al_{k}"], 1.0 - summary["full_acc_0"])
+class Scorer:
+    """Teacher-forced acceptance of a draft on samples, through its family's objective scoring K draft steps."""
+
+    def __init__(self, family: Family, head: TargetHead, settings, k: int) -> None:
+        self.family, self.head, self.settings, self.k = family, head, settings, k
+
+    def summary(self, draft: nn.Module, samples: list[Sample], batch_size: int) -> tuple[dict[str, float], str]:
+        """The objective's metrics over `samples` (positions pooled), and the key of the predicted AL in them."""
+        objective = self.family.objective(draft, self.head, self.settings, depth=self.k).eval()
+        sums: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for start in range(0, len(samples), batch_size):
+                _, metrics = objective(on_device(collate(samples[start : start + batch_size]), self.head))
+                for name, pair in metrics.items():
+                    sums[name] = sums[name] + pair if name in sums else pair
+        k = min(self.k, objective.steps)
+        return summarize(sums, k), predicted_al_key(k)
+
+    def acceptance(self, draft: nn.Module, samples: list[Sample], batch_size: int = 4) -> float:
+        """Teacher-forced AL(k) over samples; 1.0 (nothing accepted) for none."""
+        if not samples:
+            return 1.0
+        summary, al = self.summary(draft, samples, batch_size)
+        return summary[al]
+
+    def score(self, draft: nn.Module, record_id: str, sample: Sample) -> Scored:
+        summary, al = self.summary(draft, [sample], 1)
+        return Scored(record_id, sample, summary[al], 1.0 - summary["full_acc_0"])
 
 
 def gate(
@@ -124,22 +144,26 @@ class OnlineDistiller:
         self.recipe, self.cfg = recipe, recipe.osd
         self.root = recipe.run_dir / "osd"
         self.target = target or load_target(recipe.target)
+        self.family = get(recipe.draft.family)
         redact = Redactor(self.cfg.redact, self.cfg.redact_builtin, self.cfg.redact_hook)
         self.ingestor = LogIngestor(logs, self.root / "ingest", redact, self.cfg.commit_every)
-        self.k = recipe.eval.num_speculative_tokens
         t = self.target
         self.head = TargetHead(t.final_norm, t.lm_head.weight.detach()).to(next(t.model.parameters()).device)
+        self.scorer = Scorer(self.family, self.head, recipe.draft, recipe.eval.num_speculative_tokens)
+        self.acc = accelerator(recipe, distributed=False)
         progress = self.root / "progress.json"
         self.progress = read_json(progress, "OSD progress") if progress.is_file() else None
         if self.progress is None:
             self.draft = self._initial_draft()
         else:
             path = self.root / "versions" / f"v{self.progress['version']:04d}" / "checkpoint"
-            self.draft = self.prepare(ckpt.load_draft(path), path)
+            self.draft = self.prepare(path)
             # progress.json is the commit point: a run killed after exporting a version but before committing its
             # window left `current` ahead of it; serve the committed version again (the window is redone).
             self._point_current(self.progress["version"])
-        self.general = self._general_samples()  # after `prepare` set the aux layers this draft reads
+        # What samples hold: the states the draft reads, and the final state its objective distils from.
+        self.states = StateSpec(self.family.states(self.draft.config).aux_layer_ids, final=True)
+        self.general = self._general_samples()
         if self.progress is None:
             self._save_version(0, self.draft)
             # The general suite is held to the deployed draft's level, so small losses cannot pile up over versions.
@@ -161,43 +185,55 @@ class OnlineDistiller:
         train = [e for e in consumed if not is_held_out(e["id"], self.cfg.held_out_fraction)]
         self._take(held[: self.cfg.held_out_records] + train[-self.cfg.buffer_size :])
 
-    def _optimizer(self, trainee: Eagle3Draft) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(trainee.trainable_parameters(), lr=self.cfg.learning_rate, weight_decay=0.0)
+    def _optimizer(self, trainee: nn.Module) -> torch.optim.Optimizer:
+        """The trainer's optimizer (`training.step`), at the OSD learning rate."""
+        return optimizer(trainable(trainee), self.cfg.learning_rate, self.recipe.training.weight_decay)
 
-    def _restart_trainee(self) -> tuple[Eagle3Draft, torch.optim.Optimizer]:
+    def _restart_trainee(self) -> tuple[nn.Module, torch.optim.Optimizer]:
         """A trainee starting from the deployed version, with a fresh optimizer."""
         trainee = copy.deepcopy(self.draft)
         return trainee, self._optimizer(trainee)
 
-    def _load_trainee(self) -> tuple[Eagle3Draft, torch.optim.Optimizer]:
+    def _load_trainee(self) -> tuple[nn.Module, torch.optim.Optimizer]:
         """The trainee saved with the last committed update, or (before any update) one restarted from the deployed
         version."""
         step = self.progress.get("trainee")
         path = self.root / "trainee" / f"step-{step:06d}" if step is not None else None
         if path is None or not path.is_dir():
             return self._restart_trainee()
-        trainee = self.prepare(ckpt.load_draft(path), path)
-        optimizer = self._optimizer(trainee)
+        trainee = self.prepare(path)
+        opt = self._optimizer(trainee)
         state, _ = ckpt.load_training_state(path)
         if state is not None:
-            optimizer.load_state_dict(state)
-        return trainee, optimizer
+            opt.load_state_dict(state)
+        return trainee, opt
 
-    def prepare(self, draft: Eagle3Draft, path: Path, has_embedding: bool = False) -> Eagle3Draft:
+    def prepare(self, path: Path, loaded: LoadedDraft | None = None) -> nn.Module:
+        """A draft of the recipe's family, fitted to the target and on its device (one of our checkpoints at
+        `path`, unless already `loaded` from any layout)."""
         t = self.target
-        check_fits(path, draft.config, t.hidden_size, t.vocab_size, t.num_layers)
-        t.aux_layer_ids = list(draft.config.aux_layer_ids)
-        fill_embedding(draft, has_embedding, t.embed_tokens.weight)
-        return draft.to(next(t.model.parameters()).device).train(False)
+        if loaded is None:
+            family, draft = load_checkpoint(path)
+            loaded = LoadedDraft(family, draft, path, False)
+        if loaded.family is not self.family:
+            raise UserError(
+                f"{loaded.path}: a {loaded.family.name} draft, but the recipe's draft.family is {self.family.name}; "
+                f"set draft.family: {loaded.family.name} (its objective settings distil it)"
+            )
+        check_fits(loaded, t.hidden_size, t.vocab_size, t.num_layers)
+        self.family.attach_target(loaded.draft, t.embed_tokens.weight, loaded.has_embedding)
+        return loaded.draft.to(next(t.model.parameters()).device).train(False)
 
-    def _initial_draft(self) -> Eagle3Draft:
+    def _initial_draft(self) -> nn.Module:
         if not self.cfg.init_from:
             raise UserError(f"{self.recipe.source_path}: osd.init_from must name the draft to adapt (a checkpoint)")
         path = self.recipe.resolve_path(self.cfg.init_from, "osd.init_from", directory=True)
-        draft, has_embedding, read = load_any_draft(path, self.target.num_layers)
-        if not isinstance(draft, Eagle3Draft):
-            raise UserError(f"{read}: online distillation adapts EAGLE-3 drafts")
-        return self.prepare(draft, read, has_embedding)
+        loaded = load_draft(path, self.target.num_layers)
+        return self.prepare(loaded.path, loaded)
+
+    def _samples(self, conversations: list[Conversation]) -> list[Sample]:
+        """Rendered and run through the target, keeping the states the draft's objective reads."""
+        return process_chunk(self.recipe, self.target, conversations, self.recipe.seed, self.states).samples
 
     def _general_samples(self) -> list[Sample]:
         """The verify suites (`eval.suites`), answered greedily by the target once and frozen in osd/general.json:
@@ -224,11 +260,10 @@ class OnlineDistiller:
             stored = {**frozen, "conversations": records}
             self.root.mkdir(parents=True, exist_ok=True)
             atomic_write_json(path, stored)
-        conversations = [Conversation(r["id"], tuple(r["messages"]), "general") for r in stored["conversations"]]
-        return process_chunk(self.recipe, self.target, conversations, self.recipe.seed).samples
+        return self._samples([Conversation(r["id"], tuple(r["messages"]), "general") for r in stored["conversations"]])
 
-    def _save_version(self, version: int, draft: Eagle3Draft) -> Path:
-        """versions/vNNNN/{checkpoint, speculators}, then `current` re-pointed atomically."""
+    def _save_version(self, version: int, draft: nn.Module) -> Path:
+        """versions/vNNNN/{checkpoint, <export.format>}, then `current` re-pointed atomically."""
         from speculators_train.export.run import export
 
         directory = self.root / "versions" / f"v{version:04d}"
@@ -237,7 +272,8 @@ class OnlineDistiller:
         final = directory / "checkpoint"
         os.replace(checkpoint, final)
         shutil.rmtree(directory / "checkpoints", ignore_errors=True)
-        export(self.recipe, final, "speculators", directory / "speculators", force=True)
+        fmt = self.recipe.export.format
+        export(self.recipe, final, fmt, directory / fmt, force=True)
         self._point_current(version)
         return directory
 
@@ -274,12 +310,12 @@ class OnlineDistiller:
         Returns the training records' acceptance lengths."""
         conversations = [Conversation(e["id"], tuple(e["messages"]), e["origin"]) for e in entries]
         accepted = []
-        for sample in process_chunk(self.recipe, self.target, conversations, self.recipe.seed).samples:
+        for sample in self._samples(conversations):
             if is_held_out(sample["id"], self.cfg.held_out_fraction):
                 if len(self.held_out) < self.cfg.held_out_records:
                     self.held_out.append(sample)
                 continue
-            scored = score(self.draft, self.head, sample["id"], sample, self.k)
+            scored = self.scorer.score(self.draft, sample["id"], sample)
             accepted.append(scored.acceptance)
             self.buffer.add(scored)
         return accepted
@@ -311,21 +347,19 @@ class OnlineDistiller:
 
     def _update(self) -> dict[str, Any]:
         """Train the trainee on the buffer, offer it to the gate; promote a copy of it or count the refusal."""
-        cfg, candidate, optimizer = self.cfg, self.trainee.train(), self.optimizer
-        params = candidate.trainable_parameters()
-        for group in optimizer.param_groups:  # the recipe's rate, also after a resume from a saved optimizer
+        cfg, candidate = self.cfg, self.trainee
+        for group in self.optimizer.param_groups:  # the recipe's rate, also after a resume from a saved optimizer
             group["lr"] = cfg.learning_rate
-        steps = self.recipe.eagle3.ttt_steps
+        # The recipe's objective for this family, distilling with osd.divergence; the trainer's training step.
+        objective = self.family.objective(candidate, self.head, self.recipe.draft, divergence=cfg.divergence)
+        objective.train()
         for _ in range(cfg.steps_per_update):
-            batch = collate(self.buffer.batch(cfg.batch_size, self.rng))
-            loss, _ = ttt_loss(candidate, batch, self.head, steps, self.recipe.eagle3.step_decay, kind=cfg.divergence)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
-            optimizer.step()
+            batch = on_device(collate(self.buffer.batch(cfg.batch_size, self.rng)), self.head)
+            train_step(self.acc, objective, self.optimizer, batch, self.recipe.training.max_grad_norm)
         candidate.eval()
-        old = (acceptance(self.draft, self.head, self.held_out, self.k), self._general(self.draft))
-        new = (acceptance(candidate, self.head, self.held_out, self.k), self._general(candidate))
+        acceptance = self.scorer.acceptance
+        old = (acceptance(self.draft, self.held_out), self._general(self.draft))
+        new = (acceptance(candidate, self.held_out), self._general(candidate))
         baseline = (old[0], self.progress["general_baseline"])
         promote, why = gate(new, baseline, cfg.general_margin, cfg.min_gain)
         self.progress["updates"] += 1
@@ -351,8 +385,8 @@ class OnlineDistiller:
             "version_after": self.progress["version"],
         }
 
-    def _general(self, draft: Eagle3Draft) -> float:
-        return acceptance(draft, self.head, self.general, self.k)
+    def _general(self, draft: nn.Module) -> float:
+        return self.scorer.acceptance(draft, self.general)
 
 
 def plot(history: Path, out: Path) -> None:

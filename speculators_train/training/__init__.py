@@ -1,1 +1,1 @@
-"""Training: the trainer loop, EAGLE-3 training-time test, losses, checkpoints."""
+"""Training: the loop every family shares (one training step), its data sources, checkpoints and ZeRO state."""

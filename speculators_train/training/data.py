@@ -42,10 +42,11 @@ def epoch_batches(
 
 
 def collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample; padded positions have loss_mask False and never reach a loss."""
+    """Right-pad to the longest sample; padded positions have loss_mask False and never reach a loss. Samples
+    captured for a draft that reads no aux states have none."""
     longest = max(len(s["input_ids"]) for s in samples)
     out: dict[str, torch.Tensor] = {}
-    for key in STATE_KEYS:
+    for key in (k for k in STATE_KEYS if k in samples[0]):
         first = samples[0][key]
         padded = torch.zeros((len(samples), longest, *first.shape[1:]), dtype=first.dtype)
         for row, sample in enumerate(samples):

@@ -19,14 +19,9 @@ import torch
 from safetensors import safe_open
 
 from speculators_train.data.render import render_many
+from speculators_train.data.splits import chunk_seed, chunks, data_fingerprint, load_splits
 from speculators_train.errors import UserError
-from speculators_train.hidden_states.generator import (
-    chunk_seed,
-    chunks,
-    data_fingerprint,
-    load_splits,
-    process_chunk,
-)
+from speculators_train.hidden_states.generator import process_chunk
 from speculators_train.hidden_states.shards import TOKEN_FREQ, HiddenStateShards, read_manifest
 from speculators_train.recipe import Recipe, RegenerateConfig
 from speculators_train.training.data import collate, epoch_batches

@@ -1,4 +1,5 @@
-"""The training loop, shared by every draft family: forward/loss, backward, clip, step. No per-algorithm branches.
+"""The training loop, shared by every draft family: forward/loss, backward, clip, step. No per-family branches:
+the recipe's family builds the draft and its objective, and the loop only sees `objective(batch) -> (loss, sums)`.
 
 Runs single-process (CPU or GPU), DDP across processes (`accelerate launch`, `torchrun`), or DeepSpeed ZeRO
 from the recipe. Offline data comes from generator shards; online data is captured from the target in the loop.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import time
 from typing import Any
@@ -17,115 +17,50 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from speculators_train.distributed import deepspeed_process_state
+from speculators_train import families
 from speculators_train.errors import UserError
-from speculators_train.export.drafts import check_fits, fill_embedding, load_any_draft
+from speculators_train.families.base import Family
+from speculators_train.families.drafts import check_fits, latest_checkpoint, load_draft, load_weights
+from speculators_train.families.objective import Objective, Sums, predicted_al_key, summarize
 from speculators_train.files import atomic_write_json
-from speculators_train.models.eagle3 import Eagle3Config, Eagle3Draft
-from speculators_train.models.medusa import MedusaDraft
-from speculators_train.models.vocab import build_vocab_mapping, draft_to_target
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
-from speculators_train.target import load_head_weights, load_target
+from speculators_train.target import TargetHead, load_head_weights, load_target
 from speculators_train.tracking import init_wandb
 from speculators_train.training import checkpoint as ckpt
 from speculators_train.training import zero
 from speculators_train.training.data import collate
-from speculators_train.training.medusa import MedusaObjective
 from speculators_train.training.sources import OfflineSource, OnlineSource
-from speculators_train.training.ttt import Eagle3Objective, TargetHead, summarize
+from speculators_train.training.step import accelerator, optimizer, train_step, trainable
 
 log = logging.getLogger(__name__)
 
 
-def _accelerator(recipe: Recipe):
-    from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, DistributedType
-
-    cfg = recipe.training
-    cuda = torch.cuda.is_available() and recipe.target.device != "cpu"
-    precision = ("bf16" if cuda else "no") if cfg.mixed_precision == "auto" else cfg.mixed_precision
-    plugin = None
-    if cfg.deepspeed is not None:
-        deepspeed_process_state(cuda)
-        plugin = DeepSpeedPlugin(
-            zero_stage=cfg.deepspeed.zero_stage,
-            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-            gradient_clipping=cfg.max_grad_norm,
-            offload_optimizer_device="cpu" if cfg.deepspeed.offload_optimizer else "none",
-        )
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.batch_size
-        world = int(os.environ["WORLD_SIZE"])
-        plugin.deepspeed_config["train_batch_size"] = cfg.batch_size * cfg.gradient_accumulation_steps * world
-    accelerator = Accelerator(
-        cpu=not cuda and plugin is None,
-        mixed_precision=precision,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        deepspeed_plugin=plugin,
-    )
-    if plugin is not None and accelerator.distributed_type != DistributedType.DEEPSPEED:
-        raise UserError(
-            f"{recipe.source_path}: training.deepspeed is set but accelerate did not engage DeepSpeed "
-            f"(it runs as {accelerator.distributed_type}); check the accelerate config for a conflicting "
-            "distributed_type"
-        )
-    return accelerator
-
-
 def initial_draft(
-    recipe: Recipe, target_config, weights: dict[str, torch.Tensor], freq: torch.Tensor, aux_layer_ids: list[int]
-) -> Eagle3Draft:
-    """A fresh draft (vocab from token counts; lm_head rows and norm start from the target's), or the draft named
-    by `training.init_from` (ours, speculators or SGLang layout) to fine-tune, with its own vocab and settings."""
-    if recipe.training.init_from:
-        path = recipe.resolve_path(recipe.training.init_from, "training.init_from", directory=True)
-        draft, _, read = load_any_draft(path, target_config.num_hidden_layers)
-        if not isinstance(draft, Eagle3Draft):
-            raise UserError(f"{read}: Medusa heads; training.init_from fine-tunes EAGLE-3 drafts only")
-        check_fits(
-            read, draft.config, target_config.hidden_size, target_config.vocab_size, target_config.num_hidden_layers
+    recipe: Recipe, family: Family, target_config, weights: dict[str, torch.Tensor], freq, aux_layer_ids: list[int]
+):
+    """A fresh draft of the recipe's family, or the draft named by `training.init_from` (in any layout the family
+    reads) to fine-tune, with its own vocab and settings."""
+    if not recipe.training.init_from:
+        return family.new_draft(recipe.draft, target_config, weights, freq, aux_layer_ids)
+    path = recipe.resolve_path(recipe.training.init_from, "training.init_from", directory=True)
+    loaded = load_draft(path, target_config.num_hidden_layers)
+    if loaded.family is not family:
+        raise UserError(
+            f"{loaded.path}: a {loaded.family.name} draft, but the recipe trains draft.family {family.name}; "
+            f"set draft.family: {loaded.family.name} to fine-tune it"
         )
-        if list(draft.config.aux_layer_ids) != list(aux_layer_ids):
-            raise UserError(
-                f"{read}: this draft reads target layers {draft.config.aux_layer_ids}, but the hidden states hold "
-                f"{list(aux_layer_ids)}; set target.aux_layer_ids: {draft.config.aux_layer_ids} and generate again"
-            )
-        fill_embedding(draft, False, weights["embed"])  # the target's, frozen, as serving engines use it
-        log.info("fine-tuning %s (draft vocab %d, from its own files)", read, draft.config.draft_vocab_size)
-        return draft
-    d2t, t2d = build_vocab_mapping(freq, min(recipe.eagle3.draft_vocab_size, freq.numel()))
-    config = Eagle3Config.for_target(target_config, aux_layer_ids, d2t.numel(), recipe.eagle3.norm_before_residual)
-    draft = Eagle3Draft(config)
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(weights["embed"])
-        draft.d2t.copy_(d2t)
-        draft.t2d.copy_(t2d)
-        draft.lm_head.weight.copy_(weights["lm_head"][draft_to_target(d2t)])
-        draft.norm.weight.copy_(weights["norm"])
-    return draft
-
-
-def build_objective(
-    recipe: Recipe, target_config, weights: dict[str, torch.Tensor], freq: torch.Tensor, aux_layer_ids: list[int]
-) -> Eagle3Objective | MedusaObjective:
-    """The draft to train + the frozen target head its loss distils from."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    norm = LlamaRMSNorm(target_config.hidden_size, eps=target_config.rms_norm_eps)
-    with torch.no_grad():
-        norm.weight.copy_(weights["norm"])
-    head = TargetHead(norm, weights["lm_head"])
-    if recipe.training.algorithm == "medusa":
-        m = recipe.medusa
-        if recipe.training.init_from:
-            raise UserError(f"{recipe.source_path}: training.init_from is for EAGLE-3 drafts; Medusa starts fresh")
-        d2t, t2d = build_vocab_mapping(freq, min(m.draft_vocab_size, freq.numel()))
-        rows = weights["lm_head"][draft_to_target(d2t)]
-        heads = MedusaDraft.for_target(target_config, rows, d2t, t2d, m.num_heads, m.num_layers)
-        return MedusaObjective(heads, head, m.head_decay, m.loss == "hard")
-    draft = initial_draft(recipe, target_config, weights, freq, aux_layer_ids)
-    draft.gradient_checkpointing = recipe.training.gradient_checkpointing
-    return Eagle3Objective(draft, head, recipe.eagle3.ttt_steps, recipe.eagle3.step_decay)
+    check_fits(loaded, target_config.hidden_size, target_config.vocab_size, target_config.num_hidden_layers)
+    reads = list(family.states(loaded.draft.config).aux_layer_ids)
+    if reads and reads != list(aux_layer_ids):
+        raise UserError(
+            f"{loaded.path}: this draft reads target layers {reads}, but the hidden states hold "
+            f"{list(aux_layer_ids)}; set target.aux_layer_ids: {reads} and generate again"
+        )
+    # The target's embedding (frozen), as serving engines use it, even where the files carried one.
+    family.attach_target(loaded.draft, weights["embed"], False)
+    log.info("fine-tuning %s (from its own files and vocabulary)", loaded.path)
+    return loaded.draft
 
 
 def resume_identity(recipe: Recipe, data_fingerprint: str, world: int) -> dict[str, Any]:
@@ -133,7 +68,7 @@ def resume_identity(recipe: Recipe, data_fingerprint: str, world: int) -> dict[s
     t = recipe.training
     identity = {
         "seed": recipe.seed,
-        "eagle3": recipe.eagle3.model_dump(),
+        "draft": recipe.draft.model_dump(),
         "learning_rate": t.learning_rate,
         "batch_size": t.batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
@@ -146,9 +81,6 @@ def resume_identity(recipe: Recipe, data_fingerprint: str, world: int) -> dict[s
         "data": recipe.data.model_dump(exclude={"mix"}),
         "data_fingerprint": data_fingerprint,
     }
-    # Keys added after runs already existed appear only when set, so those runs still resume.
-    if t.algorithm != "eagle3":
-        identity.update(algorithm=t.algorithm, medusa=recipe.medusa.model_dump())
     if t.init_from:
         identity["init_from"] = t.init_from
     return identity
@@ -158,7 +90,8 @@ class Trainer:
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
         self.cfg = recipe.training
-        self.acc = _accelerator(recipe)
+        self.acc = accelerator(recipe)
+        self.family = families.get(recipe.draft.family)
         torch.manual_seed(recipe.seed)
         random.seed(recipe.seed)
         world, rank = self.acc.num_processes, self.acc.process_index
@@ -174,12 +107,19 @@ class Trainer:
                 "or kept as best; raise data.held_out_fraction"
             )
         self.identity = resume_identity(recipe, self.source.data_fingerprint, world)
-        objective = build_objective(recipe, target_config, weights, self.source.token_freq, self.source.aux_layer_ids)
-        self.steps, self.metric_names = objective.steps, objective.metric_names
-        params = objective.draft.trainable_parameters()
-        optimizer = torch.optim.AdamW(
-            params, lr=self.cfg.learning_rate, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.95)
+        # The head is built first: its lm_head's initialisation draws from the seeded generator before the draft's
+        # (then overwritten), so a seed keeps giving the same draft.
+        head = TargetHead.from_weights(target_config, weights)
+        draft = initial_draft(
+            recipe, self.family, target_config, weights, self.source.token_freq, self.source.aux_layer_ids
         )
+        draft.gradient_checkpointing = self.cfg.gradient_checkpointing
+        objective = self.family.objective(draft, head, recipe.draft)
+        self.steps, self.metric_keys = objective.steps, objective.metric_keys
+        # The acceptance length held-out validation predicts, and the best checkpoint is kept by.
+        self.al_depth = min(recipe.eval.num_speculative_tokens, self.steps)
+        self.al_key = predicted_al_key(self.al_depth)
+        opt = optimizer(trainable(draft), self.cfg.learning_rate, self.cfg.weight_decay)
         self.batches_per_epoch = self.source.batches_per_epoch()
         steps_per_epoch = math.ceil(self.batches_per_epoch / self.cfg.gradient_accumulation_steps)
         total = self.cfg.epochs * steps_per_epoch
@@ -187,9 +127,9 @@ class Trainer:
         from transformers import get_cosine_schedule_with_warmup
 
         self.scheduler = get_cosine_schedule_with_warmup(
-            optimizer, round(self.cfg.warmup_ratio * self.total_steps), self.total_steps
+            opt, round(self.cfg.warmup_ratio * self.total_steps), self.total_steps
         )
-        self.model, self.optimizer = self.acc.prepare(objective, optimizer)
+        self.model, self.optimizer = self.acc.prepare(objective, opt)
         self.run_dir = recipe.run_dir / "train"
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.wandb = None
@@ -206,11 +146,12 @@ class Trainer:
         return int(tensor)
 
     @property
-    def draft(self) -> Eagle3Draft | MedusaDraft:
-        return self.acc.unwrap_model(self.model).draft
+    def draft(self) -> torch.nn.Module:
+        objective: Objective = self.acc.unwrap_model(self.model)
+        return objective.draft
 
     def _resume(self) -> None:
-        path = ckpt.latest_checkpoint(self.ckpt_dir)
+        path = latest_checkpoint(self.ckpt_dir)
         if path is None:
             return
         optimizer_state, state = ckpt.load_training_state(path)
@@ -224,8 +165,7 @@ class Trainer:
                 f"{path} holds no optimizer state, so it cannot continue exactly; start a new output_dir, "
                 "or delete its checkpoints to retrain"
             )
-        weights = ckpt.load_draft_weights(path)
-        self.draft.load_state_dict(weights, strict=False)
+        self.draft.load_state_dict(load_weights(path), strict=False)
         if self.cfg.deepspeed is not None:
             zero.restore(self.model.optimizer, self._trainable(), optimizer_state["zero"])
         else:
@@ -267,7 +207,8 @@ class Trainer:
             if self.wandb is not None:
                 self.wandb.log(record, step=record["step"])
 
-    def _sum(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    def _sum(self, sums: Sums) -> dict[str, list[float]]:
+        """[numerator, denominator] per key, summed over ranks (every rank passes the same keys)."""
         keys = sorted(sums)
         stacked = self.acc.reduce(torch.stack([sums[k] for k in keys]), reduction="sum")
         return dict(zip(keys, stacked.tolist(), strict=True))
@@ -277,16 +218,15 @@ class Trainer:
         """Held-out metrics summed over this rank's samples, then over ranks (every rank reduces, even with none)."""
         self.model.eval()
         held_out = self.source.held_out  # this rank's share
-        steps = self.steps
-        zero = torch.zeros((), device=self.acc.device)
-        sums = {f"{name}_{i}": zero for name in self.metric_names for i in range(steps)}
+        zero = torch.zeros(2, device=self.acc.device)
+        sums = dict.fromkeys(self.metric_keys, zero)
         for k in range(0, len(held_out), self.cfg.batch_size):
             batch = collate([held_out[i] for i in range(k, min(k + self.cfg.batch_size, len(held_out)))])
             _, metrics = self.model(self._to_device(batch))
             for key, value in metrics.items():
                 sums[key] = sums[key] + value
         self.model.train()
-        return summarize(self._sum(sums), steps, self.recipe.eval.num_speculative_tokens)
+        return summarize(self._sum(sums), self.al_depth)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.acc.device, non_blocking=True) for k, v in batch.items()}
@@ -295,8 +235,8 @@ class Trainer:
         """Validate on the held-out split; a better predicted acceptance length is checkpointed as the best.
         Returns the metrics and whether this step was just saved."""
         metrics = self.validate()
-        self.state["held_out"] = metrics  # saved with the checkpoint: Medusa's measured tree reads its accuracies
-        key = f"predicted_al_{min(self.recipe.eval.num_speculative_tokens, self.steps)}"
+        self.state["held_out"] = metrics  # saved with the checkpoint (a family may build its tree from them)
+        key = self.al_key
         self._log({"step": self.state["step"], **{f"val/{k}": v for k, v in metrics.items()}})
         best = self.state["best"]
         if best is None or metrics[key] > best["value"]:
@@ -318,7 +258,7 @@ class Trainer:
             disable=not self.acc.is_main_process,
             desc="train",
         )
-        sums: dict[str, torch.Tensor] = {}
+        sums: Sums = {}
         losses: list[torch.Tensor] = []
         tokens, started = 0, time.perf_counter()
         metrics: dict[str, float] = {}
@@ -327,14 +267,10 @@ class Trainer:
             finished_epoch = True
             for batch, position in self.source.epoch(state["epoch"], state["position"]):
                 # 1) forward + loss, backward; clip and step once per accumulated group
-                with self.acc.accumulate(self.model), self.acc.autocast():
-                    loss, step_metrics = self.model(self._to_device(batch))
-                    self.acc.backward(loss)
-                    if self.acc.sync_gradients:
-                        self.acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-                    self.optimizer.step()
-                    self.optimizer.zero_grad()
-                losses.append(loss.detach())
+                loss, step_metrics = train_step(
+                    self.acc, self.model, self.optimizer, self._to_device(batch), cfg.max_grad_norm
+                )
+                losses.append(loss)
                 for key, value in step_metrics.items():
                     sums[key] = sums.get(key, 0) + value
                 tokens += int(batch["lengths"].sum())

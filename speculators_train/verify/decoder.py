@@ -23,10 +23,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from speculators_train.errors import UserError
-from speculators_train.target import Target
+from speculators_train.proposal import DraftTree, Proposer, Sampling, TreeSpec
+from speculators_train.target import StateSpec, Target
 from speculators_train.verify import sampling as rules
-from speculators_train.verify.proposers import DraftTree, Proposer, TreeSpec
-from speculators_train.verify.sampling import Sampling
 
 
 @dataclass
@@ -88,11 +87,11 @@ class TargetRunner:
 
     @torch.inference_mode()
     def forward(
-        self, tokens: list[int], tree: DraftTree | None = None, capture: str | None = "aux"
+        self, tokens: list[int], tree: DraftTree | None = None, states: StateSpec | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [T, V] (float32) and the states a proposer reads for `tokens` appended after the cache: with
-        `capture="aux"` the concatenated aux states [T, A*H], with "final" the pre-norm last layer output [T, H],
-        with None nothing. With `tree`, tokens[0] is the root and tokens[1:] are its nodes."""
+        """Logits [T, V] (float32) and the states a proposer reads (`states`, gathered as `Target.gathered` does,
+        [T, ...]; None when it reads none) for `tokens` appended after the cache. With `tree`, tokens[0] is the
+        root and tokens[1:] are its nodes."""
         start = self.length
         ids = torch.tensor([tokens], device=self.device)
         mask = None
@@ -111,13 +110,11 @@ class TargetRunner:
             mask = torch.zeros(1, 1, t, start + t, dtype=dtype, device=self.device)
             mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         kwargs = {"past_key_values": self.cache, "position_ids": positions[None], "use_cache": True}
-        if capture is None:
+        if states is None or states == StateSpec():
             return self.model(input_ids=ids, attention_mask=mask, **kwargs).logits[0].float(), None
-        with self.target.capture() as store:
+        with self.target.capture(states) as store:
             logits = self.model(input_ids=ids, attention_mask=mask, **kwargs).logits
-        if capture == "final":
-            return logits[0].float(), store["final"][0]
-        return logits[0].float(), torch.cat([store[i] for i in self.target.aux_layer_ids], dim=-1)[0]
+        return logits[0].float(), Target.gathered(store, states)[0]
 
     def keep(self, length: int, extra: list[int]) -> None:
         """Keep the first `length` cache entries plus the entries at `extra` (absolute indices, ascending)."""
@@ -167,7 +164,7 @@ class SpeculativeDecoder:
         runner.reset()
         self.proposer.reset()
         with _timed(result, "prefill_seconds", device):
-            _, states = runner.forward(prompt[:-1], capture=self.proposer.state)
+            _, states = runner.forward(prompt[:-1], states=self.proposer.states)
         with _timed(result, "draft_seconds", device):
             self.proposer.extend(prompt[1:], states)
         pending, done = prompt[-1], max_new_tokens <= 0
@@ -181,7 +178,7 @@ class SpeculativeDecoder:
                     drafts, q = tree.tokens, None
             before = runner.length
             with _timed(result, "verify_seconds", device):
-                logits, states = runner.forward([pending, *drafts], tree, self.proposer.state)
+                logits, states = runner.forward([pending, *drafts], tree, self.proposer.states)
             path, token = self._accept(drafts, q, logits, tree, generator)
             result.accepted.append(len(path))
             new = [drafts[node] for node in path] + [token]
@@ -190,8 +187,9 @@ class SpeculativeDecoder:
             if done:
                 break
             runner.keep(before + 1, [before + 1 + node for node in path])
+            kept = None if states is None else states[[0, *(1 + node for node in path)]]
             with _timed(result, "draft_seconds", device):
-                self.proposer.extend(new, states[[0, *(1 + node for node in path)]])
+                self.proposer.extend(new, kept)
             pending = token
         result.seconds = time.perf_counter() - started
         return result
@@ -247,10 +245,10 @@ def decode_plain(
     result = Generation(tokens=[])
     if max_new_tokens > 0:
         with _timed(result, "prefill_seconds", runner.device):
-            runner.forward(prompt[:-1], capture=None)
+            runner.forward(prompt[:-1])
         pending, done = prompt[-1], False
         while not done:
-            logits, _ = runner.forward([pending], capture=None)
+            logits, _ = runner.forward([pending])
             if sampling.greedy:
                 token = int(logits[-1].argmax())
             else:

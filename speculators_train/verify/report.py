@@ -1,4 +1,4 @@
-"""Scores (SPEC section 6, as vLLM counts them) and the outputs of a verify run: JSON, Markdown, PNG.
+"""Scores (as vLLM counts them) and the outputs of a verify run: JSON, Markdown, PNG.
 
 For verify step t with K drafted positions (a tree counts its depth), a_t is the number of accepted drafts:
     acceptance length      AL  = 1 + mean(a_t)          (the +1 is the target's correction or bonus token)

@@ -1,4 +1,4 @@
-"""Acceptance rules of speculative decoding (SPEC section 7). Pure functions over probabilities, so each rule is
+"""Acceptance rules of speculative decoding. Pure functions over probabilities, so each rule is
 tested on its own: greedy prefix matching, and lossless rejection sampling for chains and trees.
 
 Chain: drafted x_i ~ q_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); the first rejection draws the
@@ -13,19 +13,9 @@ the chain rule with a point-mass q, so the output is distributed exactly as the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from speculators_train.proposal import Sampling
 
 
 def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Medusa heads (Medusa-1: the target stays frozen; SPEC section 5).
+"""Medusa heads (Medusa-1: the target stays frozen).
 
     z      = norm(h_N)                  the target's last post-norm hidden state at position t [.., H]
     head h = lm_head_h(block_L(...block_1(z)))      block(x) = x + SiLU(W x + b)
@@ -11,7 +11,7 @@ reduced vocabulary and d2t/t2d maps as EAGLE-3). Weight names follow vLLM's Medu
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -29,7 +29,10 @@ class MedusaConfig:
     draft_vocab_size: int
     target_vocab_size: int
     target_num_layers: int = 0
-    architecture: str = field(default="medusa")
+
+    @property
+    def target_hidden_size(self) -> int:
+        return self.hidden_size
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,9 +73,6 @@ class MedusaDraft(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(config.target_vocab_size, dtype=torch.bool))
         self.gradient_checkpointing = False
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Post-norm target states [.., H] -> draft-vocab logits of every head [num_heads, .., draft_vocab]."""

@@ -1,4 +1,4 @@
-"""EAGLE-3 draft: fused target states + one Llama decoder layer over [embedding ; hidden] (SPEC section 3).
+"""EAGLE-3 draft: fused target states + one Llama decoder layer over [embedding ; hidden].
 
     h0   = fc(concat(aux_low, aux_mid, aux_high))                      [B, T, H]
     x    = concat(input_layernorm(embed(tok)), hidden_norm(h))         [B, T, 2H]  (embedding first)
@@ -211,9 +211,6 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(config.target_vocab_size, dtype=torch.bool))
         self.gradient_checkpointing = False
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
 
     def step(
         self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, past: list[KV]

@@ -14,6 +14,7 @@ the full vocabulary at those ids: the same map as our d2t (token_map = arange + 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,10 @@ import torch
 import transformers
 
 from speculators_train.errors import UserError
-from speculators_train.export.speculators import SPECULATORS_VERSION, proposal_config, read_weights
-from speculators_train.files import read_json
-from speculators_train.models.medusa import MedusaConfig, MedusaDraft
-from speculators_train.models.vocab import draft_to_target
+from speculators_train.families.base import Layout
+from speculators_train.families.layouts import DTYPES, SPECULATORS_VERSION, proposal_config, read_weights
+from speculators_train.families.medusa.model import MedusaConfig, MedusaDraft
+from speculators_train.families.vocab import draft_to_target
 
 
 def medusa_config(
@@ -43,18 +44,16 @@ def medusa_config(
         "target_num_layers": config.target_num_layers,
         "speculators_model_type": "medusa",
         "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": proposal_config(
-            "medusa", min(speculative_tokens, config.num_heads), verifier, verifier_architectures
-        ),
+        "speculators_config": proposal_config("medusa", speculative_tokens, verifier, verifier_architectures),
         "dtype": dtype,
         "transformers_version": transformers.__version__,
     }
 
 
-def medusa_weights(draft: MedusaDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def medusa_weights(draft: MedusaDraft, dtype: str) -> dict[str, torch.Tensor]:
     """Head weights in `dtype` and the int64 `token_map`; d2t/t2d are not written, token_map carries both."""
     out = {
-        name: tensor.detach().to(dtype).cpu().contiguous()
+        name: tensor.detach().to(DTYPES[dtype]).cpu().contiguous()
         for name, tensor in draft.state_dict().items()
         if name not in ("d2t", "t2d")
     }
@@ -62,17 +61,8 @@ def medusa_weights(draft: MedusaDraft, dtype: torch.dtype) -> dict[str, torch.Te
     return out
 
 
-def is_medusa_export(path: Path) -> bool:
-    config = path / "config.json"
-    if not config.is_file():
-        return False
-    saved = read_json(config, "draft config")
-    return saved.get("model_type") == "medusa" or saved.get("speculators_model_type") == "medusa"
-
-
-def load_medusa(path: Path) -> MedusaDraft:
+def load_medusa(path: Path, config: dict[str, Any]) -> MedusaDraft:
     """Heads from a vLLM Medusa directory (ours or another tool's)."""
-    config = read_json(path / "config.json", "draft config")
     missing = [key for key in ("hidden_size", "vocab_size", "num_heads") if key not in config]
     if missing:
         raise UserError(f"{path / 'config.json'}: not a Medusa config (missing {missing})")
@@ -116,3 +106,24 @@ def load_medusa(path: Path) -> MedusaDraft:
     if missing_names or unexpected:
         raise UserError(f"{path}: weights do not fit Medusa heads (missing {missing_names}, unexpected {unexpected})")
     return draft
+
+
+class MedusaLayout(Layout):
+    name = "speculators"
+    engines = "vLLM releases with the `medusa` method (`MedusaModel`), and speculators-style readers"
+
+    def detect(self, config: dict[str, Any]) -> bool:
+        return config.get("model_type") == "medusa" or config.get("speculators_model_type") == "medusa"
+
+    def read(self, path: Path, config: dict[str, Any], target_num_layers: int) -> tuple[MedusaDraft, bool]:
+        return load_medusa(path, config), False
+
+    def write(
+        self, draft: MedusaDraft, dtype: str, verifier: str, architectures: list[str], k: int
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return medusa_config(draft.config, verifier, architectures, k, dtype), medusa_weights(draft, dtype)
+
+    def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
+        """vLLM takes Medusa heads only through --speculative-config."""
+        spec = {"model": str(out), "method": "medusa", "num_speculative_tokens": k}
+        return [f"vllm serve {verifier} --speculative-config '{json.dumps(spec)}'"]

@@ -8,21 +8,22 @@ Alignment (T tokens; y = stored pre-norm final states, l = loss mask; y_j gives 
         mask         l_{t+2+h}, and the target's choice (soft) or the label (hard) inside the draft vocab
 
 Head h's loss weight is decay**h. Accuracies compare with the target's greedy token, since that is what greedy
-verification accepts: `full_i` counts positions where heads 0..i are all right (the chain a verifier accepts),
-so the predicted acceptance length is 1 + sum_i full_acc_i as for EAGLE-3; `top1_i`/`top5_i` score each head alone,
-and `rank{r}_i` counts how often head i's rank-r candidate is the target's token: the per-head accuracies Medusa
-builds its candidate tree from (`verify.proposers.measured_tree`).
+verification accepts: `full_acc_h` counts positions where heads 0..h are all right (the chain a verifier accepts),
+so the predicted acceptance length is 1 + sum_h full_acc_h as for any chain; `top1_acc_h`/`top5_acc_h` score each
+head alone, and `rank{r}_acc_h` is how often head h's rank-r candidate is the target's token: the per-head
+accuracies Medusa builds its candidate tree from (`proposer.measured_tree`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from speculators_train.models.medusa import MedusaDraft
-from speculators_train.models.vocab import draft_to_target
-from speculators_train.training.ttt import TargetHead, global_counts
+from speculators_train.families.divergence import Divergence, divergence
+from speculators_train.families.medusa.model import MedusaDraft
+from speculators_train.families.objective import ChainAccuracy, Objective, Sums, global_counts, key, ratio
+from speculators_train.families.vocab import draft_to_target
+from speculators_train.target import TargetHead
 
 RANKS = 10  # candidate ranks scored per head: the widest tree a measured tree can grow
 
@@ -34,9 +35,11 @@ def medusa_loss(
     decay: float,
     hard: bool,
     across_ranks: bool = False,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weighted per-head loss and metric sums (the same keys as EAGLE-3's, plus `top1_i`, `top5_i`, `rank{r}_i` and
-    `tokens_i`)."""
+    kind: Divergence = "ce",
+) -> tuple[torch.Tensor, Sums]:
+    """Weighted per-head loss (soft: `kind` against the target's distribution; hard: cross-entropy on labels) and
+    the metric sums: `loss_h`, the chain accuracies, `top1_acc_h`, `top5_acc_h`, `rank{r}_acc_h` and
+    `vocab_coverage`."""
     ids, final, mask = batch["input_ids"], batch["hidden_state"], batch["loss_mask"]
     length = ids.shape[1]
     with torch.no_grad():
@@ -61,50 +64,38 @@ def medusa_loss(
     counts = torch.stack([v.sum() for v in valid])
     denominators = global_counts(counts) if across_ranks else counts.clamp(min=1)
     total = torch.zeros((), device=ids.device)
-    metrics: dict[str, torch.Tensor] = {}
-    chain_ok = torch.ones_like(trained[0])
-    chain_in = torch.ones_like(trained[0])
+    sums: Sums = {"vocab_coverage": ratio(counts[0], trained[0].sum())}
+    chains = ChainAccuracy()
     for h in range(heads):
         n = length - 1 - h
         lg = logits[h][:, :n].float()
         if hard:
             ce = F.cross_entropy(lg.transpose(1, 2), draft_index[labels[h]].clamp(min=0), reduction="none")
         else:
-            ce = -(probs[:, 1 + h : length] * torch.log_softmax(lg, dim=-1)).sum(-1)
+            ce = divergence(probs[:, 1 + h : length], torch.log_softmax(lg, dim=-1), kind)
         total = total + decay**h * (ce * valid[h]).sum() / denominators[h]
         want = greedy_draft[:, 1 + h : length]
         right = in_vocab[:, 1 + h : length]
         hits = (lg.topk(min(RANKS, lg.shape[-1]), dim=-1).indices == want[..., None]) & right[..., None]
-        correct = hits[..., 0]
-        prev = chain_ok[:, :n]
-        chain_in = chain_in[:, :n] & trained[h]
-        metrics[f"cond_n_{h}"] = (prev & chain_in).sum().float()
-        chain_ok = prev & correct & trained[h]
-        metrics[f"loss_{h}"] = (ce * valid[h]).sum().detach()
-        metrics[f"n_{h}"] = counts[h].float()
-        metrics[f"full_{h}"] = (chain_ok & chain_in).sum().float()
-        metrics[f"chains_{h}"] = chain_in.sum().float()
+        sums[key("loss", h)] = ratio((ce * valid[h]).sum(), counts[h])
+        sums.update(chains.step(h, hits[..., 0] & trained[h], trained[h]))
         ranked = (hits & trained[h][..., None]).sum((0, 1)).float()
-        metrics[f"top1_{h}"] = ranked[0]
-        metrics[f"top5_{h}"] = ranked[:5].sum()
+        tokens = trained[h].sum()
+        sums[key("top1_acc", h)] = ratio(ranked[0], tokens)
+        sums[key("top5_acc", h)] = ratio(ranked[:5].sum(), tokens)
         for r in range(RANKS):
-            metrics[f"rank{r}_{h}"] = ranked[r] if r < len(ranked) else torch.zeros((), device=ids.device)
-        metrics[f"tokens_{h}"] = trained[h].sum().float()
-    return total, metrics
+            hit = ranked[r] if r < len(ranked) else torch.zeros((), device=ids.device)
+            sums[key(f"rank{r}_acc", h)] = ratio(hit, tokens)
+    return total, sums
 
 
-class MedusaObjective(nn.Module):
-    """Heads + frozen target head; the trainer calls `forward(batch) -> (loss, metric sums)` as for EAGLE-3."""
+class MedusaObjective(Objective):
+    metric_names = ("loss", "full_acc", "cond_acc", "top1_acc", "top5_acc", *(f"rank{r}_acc" for r in range(RANKS)))
 
-    def __init__(self, draft: MedusaDraft, head: TargetHead, decay: float, hard: bool) -> None:
-        super().__init__()
-        self.draft = draft
-        self.head = head
-        self.decay = decay
-        self.hard = hard
+    def __init__(self, draft: MedusaDraft, head: TargetHead, decay: float, hard: bool, kind: Divergence = "ce") -> None:
+        super().__init__(draft, head)
         self.steps = draft.config.num_heads
-        ranks = tuple(f"rank{r}" for r in range(RANKS))
-        self.metric_names = ("loss", "n", "full", "chains", "cond_n", "top1", "top5", "tokens", *ranks)
+        self.decay, self.hard, self.kind = decay, hard, kind
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return medusa_loss(self.draft, batch, self.head, self.decay, self.hard, across_ranks=self.training)
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Sums]:
+        return medusa_loss(self.draft, batch, self.head, self.decay, self.hard, self.training, self.kind)

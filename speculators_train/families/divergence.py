@@ -6,7 +6,7 @@
     jsd          beta KL(p || m) + (1 - beta) KL(q || m),  m = beta p + (1 - beta) q     (OSD's JSD mix)
     tvd          1/2 sum |p - q| = 1 - sum min(p, q) = 1 - the probability a sampled draft is accepted
 
-Online distillation (SPEC section 8) selects one; every value is >= 0 and 0 when q = p, except ce (H(p)).
+Online distillation (`osd.divergence`) selects one; every value is >= 0 and 0 when q = p, except ce (H(p)).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Reduced draft vocabulary (SPEC section 4).
+"""Reduced draft vocabulary, shared by every family.
 
 Keep the K target ids seen most often in loss-masked tokens, sorted ascending. The draft predicts
 over those K ids; the maps stored with every draft are

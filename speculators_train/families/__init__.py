@@ -1,0 +1,32 @@
+"""The registry of draft families: one line each. A family is the folder of that name here, holding
+`settings.py` (its recipe section, `Settings`) and `family.py` (`FAMILY`, everything else); see `base.py`."""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+from speculators_train.errors import UserError
+
+if TYPE_CHECKING:
+    from speculators_train.families.base import Family, FamilySettings
+
+FAMILIES = (
+    "eagle3",  # EAGLE-3: fused target states + one decoder layer, trained with training-time test (the default)
+    "medusa",  # Medusa-1: heads over the target's last hidden state
+)
+
+
+def settings_types() -> tuple[type[FamilySettings], ...]:
+    """Every family's recipe section (cheap: no torch), for the recipe's `draft:` union."""
+    return tuple(import_module(f"{__name__}.{name}.settings").Settings for name in FAMILIES)
+
+
+def get(name: str) -> Family:
+    if name not in FAMILIES:
+        raise UserError(f"unknown draft family {name!r} (registered: {', '.join(FAMILIES)})")
+    return import_module(f"{__name__}.{name}.family").FAMILY
+
+
+def all_families() -> list[Family]:
+    return [get(name) for name in FAMILIES]

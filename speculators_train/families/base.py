@@ -1,0 +1,164 @@
+"""What a draft family is: its recipe section, and one object that every stage asks for family-specific work.
+
+    settings.py   Settings: the recipe's `draft:` section for this family (a pydantic Section tagged by `family`),
+                  with the rules a recipe is checked against when it loads
+    family.py     FAMILY: build / load / save a draft, the target states it reads, its objective (loss and metric
+                  sums), its proposer for the verify loop, and its export layouts (writer and reader of each)
+
+Stages (trainer, OSD, verify, export, CLI, eval scripts) hold a `Family` and a draft, and never test which
+family they have. This module imports no torch, so loading a recipe stays cheap.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from speculators_train.errors import UserError
+from speculators_train.schema import Section
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from speculators_train.families.objective import Objective
+    from speculators_train.proposal import Proposer, TreeSpec
+    from speculators_train.recipe import EvalConfig, Recipe, TreeConfig
+    from speculators_train.target import StateSpec, Target, TargetHead
+
+
+class FamilySettings(Section):
+    """A family's recipe section (`draft:`); `family` names it, once, in the recipe."""
+
+    family: str
+
+    # Rules a recipe is held to when it loads (not discovered at run time):
+    formats: ClassVar[tuple[str, ...]]  # export.format values this family writes
+    tree_shapes: ClassVar[tuple[str, ...]] = ("dynamic",)  # eval.tree.shape values its proposer grows
+    fine_tunes: ClassVar[bool] = True  # whether training.init_from may name a draft of this family
+
+    def recipe_problems(self, recipe: Recipe) -> list[str]:
+        """Rules that tie this section to other sections of the recipe; each problem names the keys."""
+        return []
+
+
+class Layout(ABC):
+    """One on-disk draft format an engine loads: written by `export`, read back by every stage."""
+
+    name: ClassVar[str]  # the export.format value
+    engines: ClassVar[str]  # who loads it, for the card
+
+    @abstractmethod
+    def detect(self, config: dict[str, Any]) -> bool:
+        """Whether a directory whose config.json holds `config` is in this layout."""
+
+    @abstractmethod
+    def read(self, path: Path, config: dict[str, Any], target_num_layers: int) -> tuple[nn.Module, bool]:
+        """(the draft, whether its files carried `embed_tokens`)."""
+
+    @abstractmethod
+    def write(
+        self, draft: nn.Module, dtype: str, verifier: str, architectures: list[str], k: int
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """(config.json, model.safetensors tensors) for `dtype` floats and `k` speculative tokens."""
+
+    def unsupported(self, draft: nn.Module) -> list[str]:
+        """Why the engine would run this draft differently from how it was trained (empty when it would not)."""
+        return []
+
+    @abstractmethod
+    def commands(self, out: Path, verifier: str, ev: EvalConfig, k: int) -> list[str]:
+        """The engine command lines that serve the export at `out`."""
+
+
+class Family(ABC):
+    name: ClassVar[str]
+    settings: ClassVar[type[FamilySettings]]  # its recipe section
+    title: ClassVar[str]  # "EAGLE-3 draft": how cards and reports name a draft of this family
+    step_label: ClassVar[str]  # what one row of per-step metrics is: a TTT step, a head
+    columns: ClassVar[tuple[str, ...]]  # per-step held-out metrics shown after training
+    draft_type: ClassVar[type]
+    not_saved: ClassVar[tuple[str, ...]] = ()  # frozen weights restored from the target, never checkpointed
+    layouts: ClassVar[dict[str, Layout]]  # export formats by name; the first is the default
+
+    # -- building, loading, saving ------------------------------------------------------------------------------
+    @abstractmethod
+    def config_from_dict(self, saved: dict[str, Any]) -> Any:
+        """The draft's config from its saved `draft_config.json` (TypeError/ValueError when it does not fit)."""
+
+    @abstractmethod
+    def build(self, config: Any) -> nn.Module:
+        """An untrained draft of this shape (weights to be loaded)."""
+
+    @abstractmethod
+    def new_draft(
+        self,
+        settings: FamilySettings,
+        target_config: Any,
+        head: dict[str, torch.Tensor],
+        token_freq: torch.Tensor,
+        aux_layer_ids: list[int],
+    ) -> nn.Module:
+        """A fresh draft to train: vocabulary from `token_freq`, starting weights from the target's `head`
+        (embed / norm / lm_head), reading the stored aux states `aux_layer_ids` where it reads aux states."""
+
+    @abstractmethod
+    def states(self, config: Any) -> StateSpec:
+        """The target states a draft of this config reads at inference."""
+
+    @abstractmethod
+    def attach_target(self, draft: nn.Module, embed_weight: torch.Tensor, has_embedding: bool) -> None:
+        """Give a loaded draft what it takes from the target (its embedding, unless its files carried one)."""
+
+    def place(self, draft: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        """The draft on the target's device and dtype, in eval mode, for decoding."""
+        return draft.to(device=device, dtype=dtype).eval()
+
+    # -- training -----------------------------------------------------------------------------------------------
+    @abstractmethod
+    def objective(
+        self,
+        draft: nn.Module,
+        head: TargetHead,
+        settings: FamilySettings,
+        depth: int | None = None,
+        divergence: str | None = None,
+    ) -> Objective:
+        """Draft + frozen target head as one module: `forward(batch) -> (loss, metric sums)`. `depth` scores that
+        many draft steps instead of the settings' (where the family unrolls); `divergence` distils the target's
+        distribution with it instead of the settings' loss (online distillation)."""
+
+    # -- verify loop ------------------------------------------------------------------------------------------------
+    @abstractmethod
+    def proposer(self, draft: nn.Module, target: Target) -> Proposer:
+        """The draft as a proposer for the verify loop."""
+
+    def max_draft_tokens(self, draft: nn.Module) -> int | None:
+        """The most tokens this draft can propose per step (None: no limit)."""
+        return None
+
+    def tree(self, draft: nn.Module, tree: TreeConfig, checkpoint: Path) -> TreeSpec:
+        """The verify loop's tree for `eval.tree` (shapes other than dynamic are the family's own)."""
+        from speculators_train.proposal import TreeSpec  # torch: not imported when only a recipe is loaded
+
+        if tree.shape != "dynamic":
+            raise UserError(f"eval.tree.shape {tree.shape!r}: {self.name} drafts grow dynamic trees only")
+        cap = self.max_draft_tokens(draft)
+        return TreeSpec(tree.top_k, tree.depth if cap is None else min(tree.depth, cap), tree.budget)
+
+    # -- export -------------------------------------------------------------------------------------------------
+    @abstractmethod
+    def card_rows(self, draft: nn.Module, layout: str, k: int) -> list[tuple[str, str]]:
+        """The export card's architecture rows."""
+
+
+@dataclass
+class LoadedDraft:
+    """A draft read from disk, with what the stages need to know about where it came from."""
+
+    family: Family
+    draft: Any  # nn.Module
+    path: Path  # the directory actually read (a checkpoints/ dir resolves to its best checkpoint)
+    has_embedding: bool  # its files carried `embed_tokens` (engines then keep theirs)

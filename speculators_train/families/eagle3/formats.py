@@ -1,0 +1,272 @@
+"""The two layouts engines load an EAGLE-3 draft from, each written and read back here.
+
+speculators / vLLM (`vllm serve <dir>`; also what the `speculators` library loads):
+
+    config.json         speculators_model_type "eagle3", transformer_layer_config (a LlamaConfig dict),
+                        draft_vocab_size, norm_before_residual, target_hidden_size,
+                        eagle_aux_hidden_state_layer_ids, speculators_config {...}
+    model.safetensors   fc, layers.0.*, norm, lm_head, [embed_tokens], d2t (int64), t2d (bool); no `model.` prefix
+
+    Aux layer ids there count like ours and vLLM's (id k = the residual stream entering layer k). A missing
+    `norm_before_residual` means true, as vLLM reads it.
+
+SGLang / original EAGLE (SGLang's `LlamaForCausalLMEagle3`, SpecForge):
+
+    config.json         a flat LlamaConfig: architectures ["LlamaForCausalLMEagle3"], draft_vocab_size,
+                        target_hidden_size, tie_word_embeddings false,
+                        eagle_config {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state}
+    model.safetensors   fc, midlayer.* (where we write layers.0.*), norm, lm_head, embed_tokens, d2t, t2d
+
+    What SGLang does with it, and why the writer refuses some drafts:
+    - it loads a name it does not know by skipping it, so a wrong name runs a random layer instead of failing;
+    - its decoder layer keeps the un-normalised hidden state as the residual: `norm_before_residual: false` only;
+    - its `fc` takes exactly 3 target states;
+    - it captures `id + 1` for each id in `eagle_config`: SGLang counts "the output of layer id", we (and vLLM)
+      count "the residual stream entering layer id". Our id k is written as k - 1, so id 0 (the embeddings)
+      cannot be.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import LlamaConfig
+
+from speculators_train.errors import UserError
+from speculators_train.families.base import Layout
+from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
+from speculators_train.families.layouts import SPECULATORS_VERSION, export_tensors, proposal_config, read_weights
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang's
+# LlamaConfig.to_dict() keys that describe a saved file rather than the layer.
+_FILE_KEYS = ("transformers_version", "dtype", "torch_dtype", "_name_or_path", "architectures")
+
+
+def layer_config(config: Eagle3Config) -> dict[str, Any]:
+    """The full LlamaConfig dict of the single decoder layer, as engines rebuild it."""
+    layer = LlamaConfig(**config.layer_config).to_dict()
+    for key in _FILE_KEYS:
+        layer.pop(key, None)
+    layer.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False)
+    return layer
+
+
+def speculators_config(
+    config: Eagle3Config, verifier: str, verifier_architectures: list[str], speculative_tokens: int, dtype: str
+) -> dict[str, Any]:
+    """config.json as `speculators` 0.9.0 writes it for EAGLE-3 (no top-level model_type: vLLM detects the
+    format from `speculators_model_type`)."""
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": {**layer_config(config), "architectures": ["LlamaForCausalLM"]},
+        "draft_vocab_size": config.draft_vocab_size,
+        "norm_before_residual": config.norm_before_residual,  # always written: vLLM reads a missing key as true
+        "target_hidden_size": config.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+        "speculators_config": proposal_config("eagle3", speculative_tokens, verifier, verifier_architectures),
+        "dtype": dtype,
+        "transformers_version": transformers.__version__,
+    }
+
+
+def load_speculators_eagle3(path: Path, config: dict[str, Any], target_num_layers: int) -> tuple[Eagle3Draft, bool]:
+    """A draft from a speculators-format directory, and whether the file carried `embed_tokens` (vLLM then keeps
+    it); if not, the caller fills the embedding from the target."""
+    layer = dict(config.get("transformer_layer_config") or {})
+    missing = [key for key in ("hidden_size", "vocab_size", "num_attention_heads") if key not in layer]
+    if missing or "draft_vocab_size" not in config:
+        raise UserError(
+            f"{path / 'config.json'}: not an EAGLE-3 speculators config (missing {missing or 'draft_vocab_size'})"
+        )
+    unsupported = [key for key in ("norm_before_fc", "fc_norm", "norm_output") if config.get(key)]
+    if unsupported:
+        raise UserError(f"{path / 'config.json'}: {unsupported} set; this draft class implements neither")
+    n = target_num_layers
+    aux = config.get("eagle_aux_hidden_state_layer_ids") or [2, n // 2, n - 3]
+    draft = Eagle3Draft(
+        Eagle3Config(
+            layer_config=clean_layer_config(layer),
+            target_hidden_size=config.get("target_hidden_size") or layer["hidden_size"],
+            draft_vocab_size=int(config["draft_vocab_size"]),
+            aux_layer_ids=list(aux),
+            norm_before_residual=bool(config.get("norm_before_residual", True)),
+        )
+    )
+    return draft, load_weights_into(draft, read_weights(path), path)
+
+
+def clean_layer_config(layer: dict[str, Any]) -> dict[str, Any]:
+    """A layer config read from someone's file, reduced to what rebuilds one Llama decoder layer."""
+    layer = dict(layer)
+    for key in (*_FILE_KEYS, "model_type", "layer_types", "mlp_layer_types"):
+        layer.pop(key, None)
+    layer.update(num_hidden_layers=1, tie_word_embeddings=False)
+    return layer
+
+
+def load_weights_into(draft: Eagle3Draft, weights: dict[str, torch.Tensor], path: Path) -> bool:
+    """Load names in our (= the speculators) layout, with d2t/t2d kept integer/bool and an identity mapping for a
+    full-vocab draft that ships none. Returns whether `embed_tokens` was in the files."""
+    cfg = draft.config
+    if "d2t" not in weights and cfg.draft_vocab_size == cfg.target_vocab_size:
+        weights["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+    if "d2t" in weights and weights["d2t"].shape != (cfg.draft_vocab_size,):
+        raise UserError(f"{path}: d2t has shape {tuple(weights['d2t'].shape)}, not ({cfg.draft_vocab_size},)")
+    if "t2d" not in weights and "d2t" in weights:
+        weights["t2d"] = torch.zeros(cfg.target_vocab_size, dtype=torch.bool)
+        ids = torch.arange(cfg.draft_vocab_size) + weights["d2t"].to(torch.int64)
+        if ids.numel() and (ids.min() < 0 or ids.max() >= cfg.target_vocab_size):
+            raise UserError(f"{path}: d2t maps draft ids outside the target vocabulary of {cfg.target_vocab_size}")
+        weights["t2d"][ids] = True
+    for name in ("d2t", "t2d"):
+        if name in weights:
+            weights[name] = weights[name].to(torch.int64 if name == "d2t" else torch.bool)
+    try:
+        missing, unexpected = draft.load_state_dict(weights, strict=False)
+    except RuntimeError as exc:  # a shape that disagrees with the config
+        detail = " ".join(str(exc).split("\n\t")[1:2]) or str(exc)
+        raise UserError(f"{path}: weights do not fit its config.json ({detail.strip()})") from None
+    has_embedding = "embed_tokens.weight" not in missing
+    missing = [k for k in missing if k != "embed_tokens.weight"]
+    if missing or unexpected:
+        raise UserError(f"{path}: weights do not fit an EAGLE-3 draft (missing {missing}, unexpected {unexpected})")
+    return has_embedding
+
+
+def unsupported(config: Eagle3Config) -> list[str]:
+    """Why SGLang could not run this draft as trained (empty when it can)."""
+    out = []
+    if config.norm_before_residual:
+        out.append(
+            "norm_before_residual is true, but SGLang's LlamaForCausalLMEagle3 only implements false (it would run "
+            "this draft with another residual and draft wrong tokens); export --format speculators for vLLM, or "
+            "train with draft.norm_before_residual: false"
+        )
+    if len(config.aux_layer_ids) != 3:
+        out.append(f"SGLang's fc takes exactly 3 target states; this draft reads {len(config.aux_layer_ids)}")
+    if min(config.aux_layer_ids) < 1:
+        out.append(f"aux layer ids {config.aux_layer_ids} include the embeddings (0), which SGLang cannot capture")
+    return out
+
+
+def sglang_config(config: Eagle3Config, dtype: str) -> dict[str, Any]:
+    layer = layer_config(config)
+    rope = layer.get("rope_parameters") or {}
+    out = {
+        **layer,
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "tie_word_embeddings": False,  # true would make SGLang use the embedding as the draft-vocab lm_head
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in config.aux_layer_ids],
+            "use_aux_hidden_state": True,
+        },
+        "torch_dtype": dtype,
+    }
+    if "rope_theta" in rope:  # SGLang builds RoPE from the flat legacy keys
+        out["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default":
+        out["rope_scaling"] = dict(rope)
+    return out
+
+
+def weight_name(name: str) -> str:
+    """Our (speculators-layout) weight name -> SGLang's."""
+    return "midlayer." + name[len("layers.0.") :] if name.startswith("layers.0.") else name
+
+
+def load_sglang_eagle3(path: Path, config: dict[str, Any], target_num_layers: int) -> tuple[Eagle3Draft, bool]:
+    """A draft from an SGLang/EAGLE-format directory (ours or SpecForge's), and whether it carried `embed_tokens`."""
+    missing = [
+        key for key in ("hidden_size", "vocab_size", "num_attention_heads", "draft_vocab_size") if key not in config
+    ]
+    if missing:
+        raise UserError(f"{path / 'config.json'}: not an EAGLE-3 {ARCHITECTURE} config (missing {missing})")
+    known = set(LlamaConfig().to_dict())
+    layer = {k: v for k, v in LlamaConfig(**config).to_dict().items() if k in known}
+    eagle = config.get("eagle_config") or {}
+    if eagle.get("eagle_aux_hidden_state_layer_ids"):
+        aux = [int(i) + 1 for i in eagle["eagle_aux_hidden_state_layer_ids"]]
+    else:
+        n = target_num_layers
+        aux = [2, n // 2, n - 3]  # SGLang's default, already in our convention
+    draft = Eagle3Draft(
+        Eagle3Config(
+            layer_config=clean_layer_config(layer),
+            target_hidden_size=config.get("target_hidden_size") or config["hidden_size"],
+            draft_vocab_size=int(config["draft_vocab_size"]),
+            aux_layer_ids=aux,
+            norm_before_residual=False,  # the only convention SGLang runs
+        )
+    )
+    weights = {}
+    for name, tensor in read_weights(path).items():
+        name = name.removeprefix("model.")
+        weights["layers.0." + name[len("midlayer.") :] if name.startswith("midlayer.") else name] = tensor
+    return draft, load_weights_into(draft, weights, path)
+
+
+class SpeculatorsLayout(Layout):
+    name = "speculators"
+    engines = "vLLM (`vllm serve`) and the `speculators` library"
+
+    def detect(self, config: dict[str, Any]) -> bool:
+        return config.get("speculators_model_type") == "eagle3"
+
+    def read(self, path: Path, config: dict[str, Any], target_num_layers: int) -> tuple[Eagle3Draft, bool]:
+        return load_speculators_eagle3(path, config, target_num_layers)
+
+    def write(
+        self, draft: Eagle3Draft, dtype: str, verifier: str, architectures: list[str], k: int
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return speculators_config(draft.config, verifier, architectures, k, dtype), export_tensors(draft, dtype)
+
+    def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
+        spec = {"model": str(out), "method": "eagle3", "num_speculative_tokens": k}
+        return [
+            f"vllm serve {shlex.quote(str(out))}",
+            f"vllm serve {verifier} --speculative-config '{json.dumps(spec)}'",
+        ]
+
+
+class SGLangLayout(Layout):
+    name = "sglang"
+    engines = "SGLang (EAGLE3)"
+
+    def detect(self, config: dict[str, Any]) -> bool:
+        return ARCHITECTURE in (config.get("architectures") or [])
+
+    def read(self, path: Path, config: dict[str, Any], target_num_layers: int) -> tuple[Eagle3Draft, bool]:
+        return load_sglang_eagle3(path, config, target_num_layers)
+
+    def write(
+        self, draft: Eagle3Draft, dtype: str, verifier: str, architectures: list[str], k: int
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return sglang_config(draft.config, dtype), export_tensors(draft, dtype, weight_name)
+
+    def unsupported(self, draft: Eagle3Draft) -> list[str]:
+        return unsupported(draft.config)
+
+    def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
+        if ev.mode == "tree":
+            steps, topk, tokens = ev.tree.depth, ev.tree.top_k, ev.tree.budget + 1
+        else:
+            steps, topk, tokens = k, 1, k + 1
+        return [
+            f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {shlex.quote(str(out))} --speculative-num-steps {steps} "
+            f"--speculative-eagle-topk {topk} --speculative-num-draft-tokens {tokens}"
+        ]

@@ -1,0 +1,149 @@
+"""The EAGLE-3 draft as a proposer: chains (greedy or sampled) and EAGLE-2-style dynamic trees, with its own KV
+cache that rolls back to the committed positions before every proposal."""
+
+from __future__ import annotations
+
+import torch
+
+from speculators_train.families.eagle3.model import DraftCache, Eagle3Draft
+from speculators_train.families.vocab import draft_to_target
+from speculators_train.proposal import DraftTree, Sampling, TreeSpec
+from speculators_train.target import StateSpec
+
+
+def _allowed_causal(cached: int, new: int, device: torch.device) -> torch.Tensor:
+    """[new, cached + new]: every cached key, then causal among the new ones."""
+    allowed = torch.ones(new, cached + new, dtype=torch.bool, device=device)
+    allowed[:, cached:] = torch.ones(new, new, dtype=torch.bool, device=device).tril()
+    return allowed
+
+
+class Eagle3Proposer:
+    """The EAGLE-3 draft with its own KV cache. Positions follow training: the pair (x_{j+1}, g_j) sits at
+    RoPE position j+1, and the i-th speculative step after it at j+1+i."""
+
+    def __init__(self, draft: Eagle3Draft) -> None:
+        self.states = StateSpec(tuple(draft.config.aux_layer_ids))
+        self.draft = draft.eval()
+        self.device = next(draft.parameters()).device
+        self.targets = draft_to_target(draft.d2t.to(self.device))  # target id of each draft id
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DraftCache()
+        self.committed = 0  # hidden states g_0 .. g_{committed-1} are in the cache
+        self.hidden: torch.Tensor | None = None  # pre-norm output at the last committed index [1, 1, H]
+        self.logits: torch.Tensor | None = None  # its draft-vocab logits [D]
+
+    def _step(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.draft.decode(tokens[None], hidden, positions[None], self.cache, allowed)
+
+    @torch.inference_mode()
+    def extend(self, tokens: list[int], states: torch.Tensor) -> None:
+        self.cache.crop(self.committed)
+        m = len(tokens)
+        dtype = self.draft.fc.weight.dtype
+        hidden = self.draft.fc(states.to(self.device, dtype)[None])
+        positions = torch.arange(self.committed + 1, self.committed + 1 + m, device=self.device)
+        ids = torch.tensor(tokens, device=self.device)
+        out, logits = self._step(ids, hidden, positions, _allowed_causal(self.committed, m, self.device))
+        self.committed += m
+        self.hidden, self.logits = out[:, -1:], logits[0, -1]
+
+    @torch.inference_mode()
+    def propose_chain(
+        self, k: int, sampling: Sampling, generator: torch.Generator | None
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """k tokens, each from the draft's argmax (greedy) or sampled from softmax(logits / T); for sampling also
+        the draft distributions over the target vocabulary [k, V] that the rejection rule needs."""
+        self.cache.crop(self.committed)
+        hidden, logits = self.hidden, self.logits
+        tokens: list[int] = []
+        qs = []
+        for i in range(k):
+            if sampling.greedy:
+                choice = logits.argmax()
+            else:
+                q = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+                choice = torch.multinomial(q, 1, generator=generator)[0]
+                qs.append(q)
+            tokens.append(int(self.targets[choice]))
+            if i == k - 1:
+                break
+            position = torch.tensor([self.committed + 1 + i], device=self.device)
+            allowed = torch.ones(1, len(self.cache) + 1, dtype=torch.bool, device=self.device)
+            hidden, step_logits = self._step(self.targets[choice][None], hidden, position, allowed)
+            logits = step_logits[0, -1]
+        if sampling.greedy:
+            return tokens, None
+        q_target = torch.zeros(k, self.draft.config.target_vocab_size, device=self.device)
+        q_target[:, self.targets] = torch.stack(qs)
+        return tokens, q_target
+
+    @torch.inference_mode()
+    def propose_tree(self, spec: TreeSpec) -> DraftTree:
+        """Expand the `top_k` most probable nodes per depth (one batched draft step each), then keep the
+        `budget` most probable nodes overall; a node's path probability never exceeds its parent's, and ties
+        go to the shallower node, so every kept node's parent is kept too."""
+        self.cache.crop(self.committed)
+        tokens: list[int] = []  # target ids
+        parents: list[int] = []
+        depths: list[int] = []
+        scores: list[float] = []
+        cache_slot: dict[int, int] = {}  # node -> index of its key in the draft cache, once fed
+
+        def add_children(parent: int, logits: torch.Tensor, base: float) -> list[int]:
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            top = logp.topk(spec.top_k)
+            added = []
+            for value, index in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                tokens.append(int(self.targets[index]))
+                parents.append(parent)
+                depths.append(1 if parent < 0 else depths[parent] + 1)
+                scores.append(base + value)
+                added.append(len(tokens) - 1)
+            return added
+
+        if spec.paths is not None:
+            raise ValueError("a fixed tree of rank paths is for per-depth candidates; EAGLE-3 grows its own")
+        frontier = add_children(-1, self.logits, 0.0)
+        parent_hidden = {node: self.hidden[0, 0] for node in frontier}
+        for depth in range(2, spec.depth + 1):
+            fed = len(self.cache)
+            allowed = torch.zeros(len(frontier), fed + len(frontier), dtype=torch.bool, device=self.device)
+            allowed[:, : self.committed] = True
+            for row, node in enumerate(frontier):
+                allowed[row, fed + row] = True
+                ancestor = parents[node]
+                while ancestor >= 0:
+                    allowed[row, cache_slot[ancestor]] = True
+                    ancestor = parents[ancestor]
+            ids = torch.tensor([tokens[n] for n in frontier], device=self.device)
+            hidden = torch.stack([parent_hidden[n] for n in frontier])[None]
+            positions = torch.full((len(frontier),), self.committed + depth - 1, device=self.device)
+            out, logits = self._step(ids, hidden, positions, allowed)
+            candidates = []
+            for row, node in enumerate(frontier):
+                cache_slot[node] = fed + row
+                for child in add_children(node, logits[0, row], scores[node]):
+                    parent_hidden[child] = out[0, row]
+                    candidates.append(child)
+            frontier = sorted(candidates, key=lambda n: -scores[n])[: spec.top_k]
+        order = sorted(range(len(tokens)), key=lambda n: (-scores[n], depths[n]))
+        kept: list[int] = []
+        kept_set: set[int] = set()
+        for node in order:
+            if len(kept) == spec.budget:
+                break
+            if parents[node] < 0 or parents[node] in kept_set:
+                kept.append(node)
+                kept_set.add(node)
+        kept.sort(key=lambda n: (depths[n], -scores[n]))
+        index = {node: i for i, node in enumerate(kept)}
+        return DraftTree(
+            tokens=[tokens[n] for n in kept],
+            parents=[index[parents[n]] if parents[n] >= 0 else -1 for n in kept],
+            depths=[depths[n] for n in kept],
+        )

@@ -1,0 +1,32 @@
+"""The recipe's `draft:` section for EAGLE-3."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from speculators_train.families.base import FamilySettings
+
+
+class Settings(FamilySettings):
+    family: Literal["eagle3"] = "eagle3"
+    draft_vocab_size: int = Field(8192, gt=0, description="Reduced vocab from the generator's token counts.")
+    ttt_steps: int = Field(7, gt=0, description="Training-time test unroll depth.")
+    step_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of step i is step_decay**i.")
+    norm_before_residual: bool = Field(False, description="SGLang only runs false.")
+
+    formats: ClassVar[tuple[str, ...]] = ("speculators", "sglang")
+
+    def recipe_problems(self, recipe: Any) -> list[str]:
+        problems = []
+        if recipe.data.max_length <= self.ttt_steps + 1:
+            problems.append(
+                f"data.max_length ({recipe.data.max_length}) must exceed draft.ttt_steps + 1 ({self.ttt_steps + 1})"
+            )
+        if recipe.export.format == "sglang" and self.norm_before_residual:
+            problems.append(
+                "export.format 'sglang' with draft.norm_before_residual true: SGLang's LlamaForCausalLMEagle3 only "
+                "implements false and would draft wrong tokens; export for vLLM (speculators) or train with false"
+            )
+        return problems

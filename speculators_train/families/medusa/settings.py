@@ -1,0 +1,22 @@
+"""The recipe's `draft:` section for Medusa heads."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from speculators_train.families.base import FamilySettings
+
+
+class Settings(FamilySettings):
+    family: Literal["medusa"] = "medusa"
+    num_heads: int = Field(4, gt=0, description="Head h predicts token t+2+h.")
+    num_layers: int = Field(1, gt=0, description="Residual blocks x + SiLU(Wx + b) per head.")
+    loss: Literal["soft", "hard"] = Field("soft", description="soft: distil the target's distribution; hard: labels.")
+    head_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of head h is head_decay**h.")
+    draft_vocab_size: int = Field(8192, gt=0, description="Reduced vocab from the generator's token counts.")
+
+    formats: ClassVar[tuple[str, ...]] = ("speculators",)  # SGLang has no Medusa speculator
+    tree_shapes: ClassVar[tuple[str, ...]] = ("dynamic", "measured")
+    fine_tunes: ClassVar[bool] = False

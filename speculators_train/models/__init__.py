@@ -1,1 +1,0 @@
-"""Draft architectures, one module each."""

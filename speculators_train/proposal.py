@@ -1,0 +1,103 @@
+"""What a proposer is, for the verify loop and every family's draft: the protocol, sampling settings and trees.
+
+Every proposer follows the decoder's bookkeeping: `extend(tokens, states)` commits the target's hidden states g_j
+of newly verified positions together with the tokens x_{j+1} that follow them (the pair an autoregressive draft
+reads, as in training), after throwing away whatever was speculated since the last commit. Proposals never commit
+anything. `states` says which target states `extend` receives (`target.StateSpec`: aux layers, the final
+pre-norm state, or nothing).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from speculators_train.target import StateSpec
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """EAGLE-2-style dynamic tree: `depth` draft steps, each expanding the `top_k` best nodes so far into
+    `top_k` children each; the `budget` nodes with the highest path probability are verified."""
+
+    top_k: int = 4
+    depth: int = 5
+    budget: int = 24
+    # A fixed tree of rank paths chosen once (e.g. from measured per-head accuracies, see `best_paths`), which
+    # replaces the dynamic expansion for drafts that propose independent candidates per depth.
+    paths: tuple[tuple[int, ...], ...] | None = None
+
+    def describe(self) -> str:
+        if self.paths is not None:
+            return f"tree(measured, depth={max(map(len, self.paths))}, budget={len(self.paths)})"
+        return f"tree(top_k={self.top_k}, depth={self.depth}, budget={self.budget})"
+
+
+@dataclass
+class DraftTree:
+    """Draft nodes in an order where parents precede children; parent -1 is the pending (last verified) token."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]  # 1 = child of the pending token
+    children: dict[int, list[int]] = field(default_factory=dict)  # node (-1 = root) -> children, best first
+
+    def __post_init__(self) -> None:
+        if not self.children:
+            for node, parent in enumerate(self.parents):
+                self.children.setdefault(parent, []).append(node)
+
+
+class Proposer(Protocol):
+    states: StateSpec  # the target states `extend` receives
+
+    def reset(self) -> None: ...
+
+    def extend(self, tokens: list[int], states: torch.Tensor | None) -> None: ...
+
+    def propose_chain(
+        self, k: int, sampling: Sampling, generator: torch.Generator | None
+    ) -> tuple[list[int], torch.Tensor | None]: ...
+
+    def propose_tree(self, spec: TreeSpec) -> DraftTree: ...
+
+
+def best_paths(scores: Sequence[Sequence[float]], budget: int) -> list[tuple[int, ...]]:
+    """The `budget` best rank paths, parents before children. `scores[d][r]` is the (log) value of taking the
+    rank-r candidate at depth d+1, non-increasing in r; a path's value is the sum along it, so a child never beats
+    its parent and a best-first walk yields every path after its parent. With log per-head accuracies as scores
+    this is the greedy construction of a fixed (measured) tree; with log-probabilities, a dynamic tree."""
+    heap = [(-scores[0][r], (r,)) for r in range(len(scores[0]))]
+    heapq.heapify(heap)
+    out: list[tuple[int, ...]] = []
+    while heap and len(out) < budget:
+        negative, path = heapq.heappop(heap)
+        out.append(path)
+        if len(path) < len(scores):
+            for r, value in enumerate(scores[len(path)]):
+                heapq.heappush(heap, (negative - value, (*path, r)))
+    return out
+
+
+def tree_from_paths(paths: list[tuple[int, ...]], candidates: list[list[int]]) -> DraftTree:
+    """A draft tree whose node for rank path (r_1..r_d) holds candidates[d-1][r_d]; parents precede children."""
+    index = {path: i for i, path in enumerate(paths)}
+    return DraftTree(
+        tokens=[candidates[len(path) - 1][path[-1]] for path in paths],
+        parents=[index[path[:-1]] if len(path) > 1 else -1 for path in paths],
+        depths=[len(path) for path in paths],
+    )

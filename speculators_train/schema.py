@@ -1,0 +1,182 @@
+"""Validated YAML files (recipes, data mixes, eval suites): one base section and one loader.
+
+Unknown keys and wrong types fail with the file and the dotted key, e.g.
+``recipes/eagle3.yaml: training.lerning_rate: unknown key (did you mean learning_rate?)``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
+
+from speculators_train.errors import UserError
+
+DTypeName = Literal["float32", "bfloat16", "float16"]
+M = TypeVar("M", bound="Section")
+
+
+class Section(BaseModel):
+    """Base for every section of a YAML file: unknown keys are errors, never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Where the YAML came from, for error messages and relative paths; not a key of the file.
+    _source_path: Path | None = PrivateAttr(None)
+
+    @property
+    def source_path(self) -> Path | None:
+        return self._source_path
+
+    def resolve_path(self, value: str, key: str, directory: bool = False) -> Path:
+        """A file named in this YAML: `pkg:PACKAGE/rel` (shipped in a Python package), absolute, or relative to
+        this file's folder, then its parent (recipes/ and data/ sit side by side), then the working directory."""
+        if value.startswith("pkg:"):
+            package, _, rel = value[4:].partition("/")
+            spec = importlib.util.find_spec(package)
+            if spec is None or not spec.submodule_search_locations:
+                raise UserError(f"{self.source_path}: {key}: package {package!r} is not installed")
+            candidates = [Path(next(iter(spec.submodule_search_locations))) / rel]
+        else:
+            path = Path(value).expanduser()
+            candidates = []
+            if not path.is_absolute() and self.source_path is not None:
+                candidates += [self.source_path.parent / path, self.source_path.parent.parent / path]
+            candidates.append(path)
+        for candidate in candidates:
+            if candidate.is_dir() if directory else candidate.is_file():
+                return candidate
+        tried = ", ".join(str(c) for c in candidates)
+        what = "directory" if directory else "file"
+        raise UserError(f"{self.source_path}: {key}: {what} {value!r} not found (tried {tried})")
+
+
+def _section_types(annotation: Any) -> list[type[BaseModel]]:
+    """The section classes a field can hold: itself, or each member of a union (a tagged one included)."""
+    while typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [t for arg in typing.get_args(annotation) for t in _section_types(arg)]
+    return [annotation] if isinstance(annotation, type) and issubclass(annotation, BaseModel) else []
+
+
+def _walk(model: type[BaseModel], loc: tuple) -> tuple[list[str], type[BaseModel] | None]:
+    """The dotted key a user wrote for a pydantic error location (a tagged union's tag, which pydantic puts in the
+    location, is not part of the file), and the section that key holds (None for a plain value)."""
+    keys: list[str] = []
+    current: type[BaseModel] | None = model
+    parts = list(loc)
+    while parts:
+        part = parts.pop(0)
+        keys.append(str(part))
+        field = current.model_fields.get(part) if current is not None and isinstance(part, str) else None
+        if field is None:
+            current = None
+            continue
+        members = _section_types(field.annotation)
+        if len(members) > 1 and parts and str(parts[0]) in _tags(members):
+            tag = str(parts.pop(0))
+            members = [m for m in members if _tags([m]) == [tag]]
+        current = members[0] if len(members) == 1 else None
+    return keys, current
+
+
+def _tags(members: list[type[BaseModel]]) -> list[str]:
+    """Values of the `family`-style Literal discriminator of each member (empty for untagged sections)."""
+    out = []
+    for member in members:
+        for field in member.model_fields.values():
+            if typing.get_origin(field.annotation) is Literal and len(typing.get_args(field.annotation)) == 1:
+                out.append(str(typing.get_args(field.annotation)[0]))
+                break
+    return out
+
+
+def _format_error(path: Path, error: dict[str, Any], model: type[BaseModel], moved: dict[str, str]) -> str:
+    keys, _ = _walk(model, tuple(error["loc"]))
+    key = ".".join(keys) or "<root>"
+    kind = error["type"]
+    if kind == "extra_forbidden" and key in moved:
+        return f"{path}: {key}: moved to {moved[key]}"
+    if kind == "extra_forbidden":
+        _, parent = _walk(model, tuple(error["loc"])[:-1])
+        allowed = list(parent.model_fields) if parent is not None else []
+        hint = difflib.get_close_matches(keys[-1], allowed, n=1)
+        suggestion = f" (did you mean {hint[0]}?)" if hint else f" (allowed: {', '.join(sorted(allowed))})"
+        return f"{path}: {key}: unknown key{suggestion}"
+    if kind == "missing":
+        return f"{path}: {key}: required key is missing"
+    if kind in ("union_tag_not_found", "union_tag_invalid"):
+        loc = tuple(error["loc"])
+        _, parent = _walk(model, loc[:-1])
+        field = parent.model_fields.get(loc[-1]) if parent is not None else None
+        tags = ", ".join(repr(t) for t in _tags(_section_types(field.annotation))) if field is not None else ""
+        tag_key = error["ctx"]["discriminator"].strip("'")
+        got = "is missing" if kind == "union_tag_not_found" else f"{error['ctx']['tag']!r} is not registered"
+        return f"{path}: {key}.{tag_key}: {got} (one of {tags})"
+    return f"{path}: {key}: {error['msg']} (got {error.get('input')!r})"
+
+
+def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
+    """A YAML file that must hold a mapping; a syntax error names the line and column."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path} not found")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise UserError(f"{path}{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: a {what} must be a YAML mapping, got {type(raw).__name__}")
+    return raw
+
+
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """Set dotted keys (`--set data.max_length=512`) in a raw mapping, creating sections on the way."""
+    for dotted, value in overrides.items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"override {dotted}: {part} is not a section")
+        node[leaf] = value
+
+
+def validate_mapping(
+    path: Path, raw: dict[str, Any], model: type[M], what: str, moved: dict[str, str] | None = None
+) -> M:
+    """`raw` as `model`; every problem is reported as `file: dotted.key: what is wrong`."""
+    try:
+        loaded = model.model_validate(raw)
+    except ValidationError as exc:
+        messages = [_format_error(path, err, model, moved or {}) for err in exc.errors()]
+        raise UserError(f"invalid {what}:\n  " + "\n  ".join(messages)) from None
+    loaded._source_path = path
+    return loaded
+
+
+def load_yaml_model(path: str | Path, model: type[M], what: str, overrides: dict[str, Any] | None = None) -> M:
+    """Load a YAML mapping into `model`, with `overrides` applied first."""
+    raw = read_yaml_mapping(path, what)
+    apply_overrides(raw, overrides or {})
+    return validate_mapping(Path(path), raw, model, what)
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` options as overrides; values are YAML (`--set eval.temperatures=[0,1]`)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set data.max_length=512")
+        out[key] = yaml.safe_load(value)
+    return out

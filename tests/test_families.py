@@ -1,0 +1,112 @@
+"""Every registered family, through the one protocol the stages use, with the real SmolLM2 target on real ShareGPT
+records: a fresh draft saves and loads as itself, its objective trains on real states, its proposer decodes the
+target's own greedy output in the verify loop, and each export layout it writes reads back to the same draft."""
+
+import pytest
+import torch
+
+from speculators_train import families
+from speculators_train.data.splits import load_splits
+from speculators_train.export.run import export
+from speculators_train.families.drafts import draft_state_dict, load_draft
+from speculators_train.families.objective import summarize
+from speculators_train.hidden_states.generator import process_chunk
+from speculators_train.proposal import Sampling
+from speculators_train.recipe import TargetConfig, load_recipe
+from speculators_train.target import TargetHead, load_head_weights
+from speculators_train.training.checkpoint import save_checkpoint
+from speculators_train.training.data import collate
+from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain
+from speculators_train.verify.run import eos_ids, load_draft_for
+
+from .conftest import SHAREGPT, make_recipe
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def head_weights():
+    return load_head_weights(TargetConfig())
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory, target):
+    """Real states of 6 ShareGPT records (the recipe's aux layers and the final state, as `generate` stores)."""
+    recipe = load_recipe(make_recipe(tmp_path_factory.mktemp("s"), [{"name": "s", "path": SHAREGPT, "max_records": 8}]))
+    return process_chunk(recipe, target, load_splits(recipe).train[:6], 0).samples
+
+
+@pytest.fixture(params=families.FAMILIES)
+def fresh(request, target, head_weights, samples):
+    """(family, its default settings, a fresh draft built from the target and the samples' token counts)."""
+    family = families.get(request.param)
+    settings = family.settings(family=family.name)
+    config, weights = head_weights
+    freq = torch.zeros(target.vocab_size, dtype=torch.int64)
+    for sample in samples:
+        freq += torch.bincount(sample["input_ids"][sample["loss_mask"]], minlength=target.vocab_size)
+    torch.manual_seed(0)
+    return family, settings, family.new_draft(settings, config, weights, freq, target.aux_layer_ids)
+
+
+def test_a_family_is_registered_under_its_own_name(fresh):
+    family, settings, draft = fresh
+    assert families.get(family.name) is family and settings.family == family.name
+    assert isinstance(draft, family.draft_type) and set(settings.formats) == set(family.layouts)
+
+
+def test_save_then_load_gives_the_same_draft_of_the_same_family(tmp_path, target, fresh):
+    family, _, draft = fresh
+    checkpoint = save_checkpoint(tmp_path, 1, draft, None, {"step": 1}, keep_last=1)
+    loaded = load_draft(tmp_path, target.num_layers)  # a checkpoints/ directory resolves to its latest
+    assert loaded.family is family and loaded.path == checkpoint and type(loaded.draft) is type(draft)
+    mine, theirs = draft_state_dict(draft), draft_state_dict(loaded.draft)
+    assert mine.keys() == theirs.keys()
+    for name, tensor in mine.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+def test_the_objective_trains_on_real_states_and_sums_every_metric_it_names(target, head_weights, samples, fresh):
+    family, settings, draft = fresh
+    config, weights = head_weights
+    objective = family.objective(draft, TargetHead.from_weights(config, weights), settings)
+    batch = collate(samples[:4])
+    loss, sums = objective(batch)
+    assert torch.isfinite(loss) and loss > 0
+    assert sorted(sums) == sorted(objective.metric_keys) and all(pair.shape == (2,) for pair in sums.values())
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in draft.parameters() if p.requires_grad)
+    summary = summarize(sums, objective.steps)
+    assert 1.0 <= summary[f"predicted_al_{objective.steps}"] <= 1.0 + objective.steps
+    assert all(0.0 <= summary[f"full_acc_{i}"] <= 1.0 for i in range(objective.steps))
+
+
+def test_the_proposer_decodes_the_targets_own_greedy_output(tmp_path, target, fresh):
+    family, _, draft = fresh
+    save_checkpoint(tmp_path, 1, draft, None, {"step": 1}, keep_last=1)
+    loaded = load_draft_for(target, tmp_path)
+    prompt = target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three prime numbers."}], add_generation_prompt=True
+    )
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    reference = decode_plain(target, prompt, 24, eos_ids(target), Sampling()).tokens
+    k = min(4, family.max_draft_tokens(loaded.draft) or 4)
+    proposer = family.proposer(loaded.draft, target)
+    result = SpeculativeDecoder(target, proposer, Sampling(), k).generate(prompt, 24, eos_ids(target))
+    assert result.tokens == reference and len(result.accepted) >= 1
+    assert target.aux_layer_ids == [2, 15, 27]  # loading a draft never changes the shared target
+
+
+def test_every_export_layout_reads_back_to_the_same_draft(tmp_path, target, fresh):
+    family, _, draft = fresh
+    recipe = load_recipe(
+        make_recipe(tmp_path, [{"name": "s", "path": SHAREGPT, "max_records": 8}], draft={"family": family.name})
+    )
+    checkpoint = save_checkpoint(tmp_path / "ckpt", 1, draft, None, {"step": 1}, keep_last=1)
+    for name in family.layouts:
+        out = export(recipe, checkpoint, name, tmp_path / name, "float32").path
+        loaded = load_draft(out, target.num_layers)
+        assert loaded.family is family and type(loaded.draft) is type(draft), name
+        theirs = draft_state_dict(loaded.draft)
+        for key, tensor in draft_state_dict(draft).items():
+            assert torch.equal(theirs[key], tensor), f"{name}: {key}"

@@ -1,0 +1,113 @@
+"""The package's shape: stage packages import each other without cycles, and only `families/` names a family."""
+
+import ast
+import re
+
+from .conftest import REPO
+
+PACKAGE = REPO / "speculators_train"
+
+
+def _runtime_imports(tree: ast.Module, module: str) -> set[str]:
+    """Every speculators_train module `tree` imports when it runs, at any depth (function-level imports included),
+    leaving out `if TYPE_CHECKING:` blocks, which never run."""
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for stmt in child.orelse:
+                    visit(stmt)
+                continue
+            if isinstance(child, ast.Import):
+                out.update(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:  # relative: resolve against this module's package
+                    base = module.rsplit(".", child.level)[0]
+                    name = f"{base}.{child.module}" if child.module else base
+                else:
+                    name = child.module or ""
+                out.add(name)
+                out.update(f"{name}.{alias.name}" for alias in child.names)
+            visit(child)
+
+    visit(tree)
+    return {name for name in out if name.startswith("speculators_train.")}
+
+
+def _unit(module: str) -> str:
+    """The layering unit of a module: the stage package or top-level module right under speculators_train."""
+    return module.split(".")[1]
+
+
+def unit_graph() -> dict[str, set[str]]:
+    known = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or p.is_dir()}
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if module == "speculators_train" or _unit(module) in ("__init__", "__main__"):
+            continue
+        edges = graph.setdefault(_unit(module), set())
+        for name in _runtime_imports(ast.parse(path.read_text()), module):
+            target = _unit(name) if name.count(".") else ""
+            if target in known and target != _unit(module) and target != "__init__":
+                edges.add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle_between_stage_packages():
+    graph = unit_graph()
+    assert {"training", "export", "verify", "families", "osd", "recipe"} <= graph.keys()
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+    # The layering the package is built on: stages sit on the families, never the other way round.
+    assert not graph["families"] & {"training", "export", "verify", "osd", "cli", "hidden_states", "data"}
+    assert "training" not in graph["export"] and "export" not in graph["training"]
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"training": {"export"}, "export": {"families", "training"}, "families": set()}) == [
+        "export",
+        "training",
+        "export",
+    ]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+FAMILY_NAMES = re.compile(r"medusa|eagle3|Medusa|Eagle3")
+RECIPE_FILE = re.compile(r"recipes/(medusa|eagle3)[\w.-]*\.yaml")
+
+
+def test_only_the_families_name_a_family():
+    """Stages, the CLI and the eval scripts dispatch through the registry; recipe file names are the exception."""
+    offenders = []
+    for path in [*PACKAGE.rglob("*.py"), *(REPO / "eval").glob("*.py")]:
+        if path.is_relative_to(PACKAGE / "families"):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if FAMILY_NAMES.search(RECIPE_FILE.sub("", line)):
+                offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
