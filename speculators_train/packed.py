@@ -1,14 +1,13 @@
 """Linear weights prepacked for oneDNN: the target's (and in verify the draft's) CPU float32 kernels.
 
 Decoding runs a linear over very few rows: 1 per target-only step, K+1 per verify pass (a tree: budget+1), one
-per frontier node in the draft. With the default kernels (MKL) a 135M float32 target took 44 ms for 1 row and
-64-72 ms for 2-6 rows on a 2-core AMD EPYC, so a verify pass cost about 1.5 plain steps and speculation lost
-most of what acceptance gained. With the weights reordered once for oneDNN (`mkldnn._reorder_linear_weight`,
-what inductor's CPU freezing pass does) the same passes took 21-26 ms for 1 row, 24-36 for 2 and 28-40 for 6.
-The target-only baseline and the speculative runs use the same packed weights, so speedups compare the same
-kernels. Hidden-state capture gains too: one 8x512 batch of that target took 6.6-6.9 s on the default
-kernels and 3.4-4.2 s packed. The outputs are the same linear maps up to float32 rounding order.
-`target.cpu_packed_weights` turns it on or off for every stage.
+per frontier node in the draft. On the default kernels (MKL) a few rows cost much more than one, so a verify
+pass cost well over a plain step and speculation lost most of what acceptance gained; with the weights
+reordered once for oneDNN (`mkldnn._reorder_linear_weight`, what inductor's CPU freezing pass does) a few rows
+cost about what one does. The target-only baseline and the speculative runs use the same packed weights, so
+speedups compare the same kernels; hidden-state capture runs faster packed too (figures: RESULTS.md). The
+outputs are the same linear maps up to float32 rounding order. `target.cpu_packed_weights` turns it on or off
+for every stage.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class TargetConfig(Section):
     cpu_packed_weights: bool = Field(
         True,
         description="float32 on CPU: run the target's linears (in verify, the draft's too) on a copy of their "
-        "weights packed for oneDNN: the generator ~1.5x and decode steps ~2x faster on a 2-core EPYC; "
+        "weights packed for oneDNN: faster capture, regeneration and decode steps (RESULTS.md); "
         "one more copy of the linear weights in RAM while it runs.",
     )
 

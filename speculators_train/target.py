@@ -94,7 +94,7 @@ def _gguf_fingerprint(path: Path) -> str:
 
 
 def _converted_gguf_dir(gguf_path: Path) -> Path:
-    """A plain HF copy of a GGUF model, made once: GGUF dequantisation costs ~20 s per load."""
+    """A plain HF copy of a GGUF model, made once: dequantising the GGUF file on every load would be slow."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     out = cache_root() / "gguf" / f"{gguf_path.stem}-{_gguf_fingerprint(gguf_path)}"

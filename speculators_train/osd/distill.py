@@ -14,7 +14,7 @@ the draft's family scores, distils and exports it, through the trainer's own tra
 
 Acceptance is scored teacher-forced on the target's own states, as training predicts it: chain j accepts at least
 i+1 drafts iff draft steps 0..i all give the target's greedy token, so AL(K) = 1 + sum_i full_acc_i (the greedy
-acceptance the verify loop measures on target-greedy text; the two agreed within 0.05 on the demo draft).
+acceptance the verify loop measures on target-greedy text).
 Logged responses come from the target itself, so the same holds on traffic.
 
 The draft in training (the trainee) is not reset to the deployed version after each update: it keeps training

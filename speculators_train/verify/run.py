@@ -80,8 +80,8 @@ def run_paired(
     """Target-only decoding (the baseline: same KV cache and prefill) and each speculative decoder, prompt by
     prompt: prompt i is decoded target-only and then by every decoder back to back, all with generator seed
     `seed + i`. Paired in time, a slow spell on a shared machine slows a prompt's baseline and its speculative
-    runs alike; a baseline timed once before every setting turned one such spell into a 1.63x "speedup" that
-    the paired rerun measured at 1.05x. Each decoder is picked from the prompt ids and that prompt's baseline
+    runs alike, where a baseline timed once before every setting would read such a spell as a speedup. Each
+    decoder is picked from the prompt ids and that prompt's baseline
     (an oracle replays it). Returns the baseline and one list of generations per decoder."""
     eos = eos_ids(target)
     baseline: list[Generation] = []
