@@ -79,18 +79,19 @@ class Family(ABC):
     title: ClassVar[str]  # "EAGLE-3 draft": how cards and reports name a draft of this family
     step_label: ClassVar[str]  # what one row of per-step metrics is: a TTT step, a head
     columns: ClassVar[tuple[str, ...]]  # per-step held-out metrics shown after training
-    draft_type: ClassVar[type]
+    draft_type: ClassVar[type]  # the draft module, built from one `config_type` argument
+    config_type: ClassVar[type]  # the draft's config: a dataclass whose `to_dict()` is saved as JSON
     not_saved: ClassVar[tuple[str, ...]] = ()  # frozen weights restored from the target, never checkpointed
     layouts: ClassVar[dict[str, Layout]]  # export formats by name; the first is the default
 
     # -- building, loading, saving ------------------------------------------------------------------------------
-    @abstractmethod
     def config_from_dict(self, saved: dict[str, Any]) -> Any:
         """The draft's config from its saved `draft_config.json` (TypeError/ValueError when it does not fit)."""
+        return self.config_type(**saved)
 
-    @abstractmethod
     def build(self, config: Any) -> nn.Module:
         """An untrained draft of this shape (weights to be loaded)."""
+        return self.draft_type(config)
 
     @abstractmethod
     def new_draft(

@@ -25,14 +25,9 @@ class Eagle3Family(Family):
     step_label = "ttt step"
     columns = ("loss", "full_acc", "cond_acc")
     draft_type = Eagle3Draft
+    config_type = Eagle3Config
     not_saved = ("embed_tokens.weight",)  # the target's, frozen and large: restored from the target
     layouts: ClassVar[dict[str, Layout]] = {"speculators": SpeculatorsLayout(), "sglang": SGLangLayout()}
-
-    def config_from_dict(self, saved: dict[str, Any]) -> Eagle3Config:
-        return Eagle3Config(**saved)
-
-    def build(self, config: Eagle3Config) -> Eagle3Draft:
-        return Eagle3Draft(config)
 
     def new_draft(
         self,

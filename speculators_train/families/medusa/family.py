@@ -47,13 +47,8 @@ class MedusaFamily(Family):
     step_label = "head"
     columns = ("loss", "full_acc", "cond_acc", "top1_acc", "top5_acc")
     draft_type = MedusaDraft
+    config_type = MedusaConfig
     layouts: ClassVar[dict[str, Layout]] = {"speculators": MedusaLayout()}
-
-    def config_from_dict(self, saved: dict[str, Any]) -> MedusaConfig:
-        return MedusaConfig(**saved)
-
-    def build(self, config: MedusaConfig) -> MedusaDraft:
-        return MedusaDraft(config)
 
     def new_draft(
         self,
