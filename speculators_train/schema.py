@@ -110,6 +110,8 @@ def _format_error(path: Path, error: dict[str, Any], model: type[BaseModel], mov
         hint = difflib.get_close_matches(keys[-1], allowed, n=1)
         suggestion = f" (did you mean {hint[0]}?)" if hint else f" (allowed: {', '.join(sorted(allowed))})"
         return f"{path}: {key}: unknown key{suggestion}"
+    if kind == "value_error" and not error["loc"]:  # a rule across sections: its message names the keys
+        return f"{path}: {error['msg'].removeprefix('Value error, ')}"
     if kind == "missing":
         return f"{path}: {key}: required key is missing"
     if kind in ("union_tag_not_found", "union_tag_invalid"):
