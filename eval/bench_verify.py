@@ -80,8 +80,7 @@ def main() -> None:
     family, draft = loaded.family, loaded.draft
     suite_path = recipe.resolve_path(recipe.eval.suites[0], "eval.suites")
     suite = load_suite(suite_path, recipe, target.tokenizer, args.prompts)
-    cap = family.max_draft_tokens(draft)
-    ks = sorted({min(int(k), cap or int(k)) for k in args.ks.split(",")})
+    ks = sorted({family.draft_tokens(draft, int(k)) for k in args.ks.split(",")})
     shapes: list[tuple[str, int, TreeSpec | None]] = [(f"chain(K={k})", k, None) for k in ks]
     # (tree shape, (top_k, depth, budget) or None for the recipe's sizes)
     if args.trees:

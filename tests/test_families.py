@@ -90,7 +90,7 @@ def test_the_proposer_decodes_the_targets_own_greedy_output(tmp_path, target, fr
     )
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     reference = decode_plain(target, prompt, 24, eos_ids(target), Sampling()).tokens
-    k = min(4, family.max_draft_tokens(loaded.draft) or 4)
+    k = family.draft_tokens(loaded.draft, 4)
     proposer = family.proposer(loaded.draft, target)
     result = SpeculativeDecoder(target, proposer, Sampling(), k).generate(prompt, 24, eos_ids(target))
     assert result.tokens == reference and len(result.accepted) >= 1

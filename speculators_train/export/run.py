@@ -157,8 +157,7 @@ def export(
             f"verifier {verifier!r} is a local path: a serving machine must have it there too, and vLLM's "
             "one-argument `vllm serve <dir>` needs a hub id (set export.verifier)"
         )
-    cap = family.max_draft_tokens(draft)
-    k = recipe.eval.num_speculative_tokens if cap is None else min(recipe.eval.num_speculative_tokens, cap)
+    k = family.draft_tokens(draft, recipe.eval.num_speculative_tokens)
     commands = layout.commands(out, verifier, recipe.eval, k)
     architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
     config, weights = layout.write(draft, dtype, verifier, architectures, k)

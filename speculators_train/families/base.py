@@ -140,14 +140,18 @@ class Family(ABC):
         """The most tokens this draft can propose per step (None: no limit)."""
         return None
 
+    def draft_tokens(self, draft: nn.Module, k: int) -> int:
+        """How many of `k` asked draft tokens this draft proposes per step."""
+        cap = self.max_draft_tokens(draft)
+        return k if cap is None else min(k, cap)
+
     def tree(self, draft: nn.Module, tree: TreeConfig, checkpoint: Path) -> TreeSpec:
         """The verify loop's tree for `eval.tree` (shapes other than dynamic are the family's own)."""
         from speculators_train.proposal import TreeSpec  # torch: not imported when only a recipe is loaded
 
         if tree.shape != "dynamic":
             raise UserError(f"eval.tree.shape {tree.shape!r}: {self.name} drafts grow dynamic trees only")
-        cap = self.max_draft_tokens(draft)
-        return TreeSpec(tree.top_k, tree.depth if cap is None else min(tree.depth, cap), tree.budget)
+        return TreeSpec(tree.top_k, self.draft_tokens(draft, tree.depth), tree.budget)
 
     # -- export -------------------------------------------------------------------------------------------------
     @abstractmethod

@@ -115,14 +115,13 @@ def verify_packing(
 
 def shape_of(recipe: Recipe, loaded: LoadedDraft) -> tuple[str, int, TreeSpec | None]:
     """(label, K as scored, tree spec or None) for the recipe's eval mode and this draft (a draft proposes at most
-    its family's `max_draft_tokens` per step)."""
+    its family's `draft_tokens` per step)."""
     ev, family, draft = recipe.eval, loaded.family, loaded.draft
     if ev.mode == "tree":
         tree = family.tree(draft, ev.tree, loaded.path)
         depth = max(map(len, tree.paths)) if tree.paths is not None else tree.depth
         return tree.describe(), depth, tree
-    cap = family.max_draft_tokens(draft)
-    k = ev.num_speculative_tokens if cap is None else min(ev.num_speculative_tokens, cap)
+    k = family.draft_tokens(draft, ev.num_speculative_tokens)
     return f"chain(K={k})", k, None
 
 

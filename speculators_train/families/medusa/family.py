@@ -92,7 +92,7 @@ class MedusaFamily(Family):
         product of the checkpoint's measured rank accuracies."""
         if tree.shape != "measured":
             return super().tree(draft, tree, checkpoint)
-        depth = min(tree.depth, draft.config.num_heads)
+        depth = self.draft_tokens(draft, tree.depth)
         paths = measured_tree(rank_accuracies(checkpoint, depth), tree.budget)
         return TreeSpec(tree.top_k, depth, tree.budget, paths)
 
