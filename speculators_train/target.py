@@ -159,6 +159,9 @@ class StateSpec:
     final: bool = False
 
 
+NO_STATES = StateSpec()  # a forward that records nothing (target-only decoding, an oracle)
+
+
 def _stable_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -304,7 +307,7 @@ class Target:
         spec = StateSpec((spec or self.stored_states).aux_layer_ids, final=True)
         with self.capture(spec) as store:
             self._decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        aux = torch.cat([store[i] for i in spec.aux_layer_ids], dim=-1) if spec.aux_layer_ids else None
+        aux = self.gathered(store, StateSpec(spec.aux_layer_ids)) if spec.aux_layer_ids else None
         return aux, store["final"]
 
     def packed(self, rows: int, *others: nn.Module) -> contextlib.AbstractContextManager[bool]:

@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicLayer
 
 from speculators_train.errors import UserError
 from speculators_train.proposal import DraftTree, Proposer, Sampling, TreeSpec
-from speculators_train.target import StateSpec, Target
+from speculators_train.target import NO_STATES, StateSpec, Target
 from speculators_train.verify import sampling as rules
 
 
@@ -87,7 +87,7 @@ class TargetRunner:
 
     @torch.inference_mode()
     def forward(
-        self, tokens: list[int], tree: DraftTree | None = None, states: StateSpec | None = None
+        self, tokens: list[int], tree: DraftTree | None = None, states: StateSpec = NO_STATES
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [T, V] (float32) and the states a proposer reads (`states`, gathered as `Target.gathered` does,
         [T, ...]; None when it reads none) for `tokens` appended after the cache. With `tree`, tokens[0] is the
@@ -110,7 +110,7 @@ class TargetRunner:
             mask = torch.zeros(1, 1, t, start + t, dtype=dtype, device=self.device)
             mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         kwargs = {"past_key_values": self.cache, "position_ids": positions[None], "use_cache": True}
-        if states is None or states == StateSpec():
+        if states == NO_STATES:
             return self.model(input_ids=ids, attention_mask=mask, **kwargs).logits[0].float(), None
         with self.target.capture(states) as store:
             logits = self.model(input_ids=ids, attention_mask=mask, **kwargs).logits

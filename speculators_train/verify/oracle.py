@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from speculators_train.proposal import DraftTree, Sampling, TreeSpec
-from speculators_train.target import StateSpec
+from speculators_train.target import NO_STATES
 
 
 class OracleProposer:
@@ -17,7 +17,7 @@ class OracleProposer:
         self.filler = filler
         self.reset()
 
-    states = StateSpec()  # reads no target state
+    states = NO_STATES
 
     def reset(self) -> None:
         self.length = 1  # tokens known to the proposer: x_0 plus every committed x_{j+1}
