@@ -79,7 +79,7 @@ def main() -> None:
     loaded = load_draft_for(target, draft_path)
     family, draft = loaded.family, loaded.draft
     suite_path = recipe.resolve_path(recipe.eval.suites[0], "eval.suites")
-    suite = load_suite(suite_path, recipe, target.tokenizer, args.prompts)
+    suite = load_suite(suite_path, recipe, target, args.prompts)
     ks = sorted({family.draft_tokens(draft, int(k)) for k in args.ks.split(",")})
     shapes: list[tuple[str, int, TreeSpec | None]] = [(f"chain(K={k})", k, None) for k in ks]
     # (tree shape, (top_k, depth, budget) or None for the recipe's sizes)
@@ -98,7 +98,7 @@ def main() -> None:
     records = []
     with verify_packing(target, draft, widths):
         for temperature in map(float, args.temperatures.split(",")):
-            sampling = Sampling(temperature, recipe.eval.top_p)
+            sampling = Sampling(temperature, recipe.eval.top_p, recipe.eval.draft_sampling)
             settings = [  # (shape, K, top_p, decoder per prompt)
                 (
                     shape,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -23,10 +23,18 @@ from speculators_train.target import StateSpec
 class Sampling:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
+    # At T > 0 a chain drafts the argmax (as vLLM and SGLang do; verified with q = a point mass) or samples each
+    # draft token from softmax(logits / T). Both are exact under the rejection rule.
+    draft_sampling: Literal["argmax", "sample"] = "argmax"
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def samples_drafts(self) -> bool:
+        """Whether a chain proposer samples its drafts (and returns the q they were drawn from)."""
+        return not self.greedy and self.draft_sampling == "sample"
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,10 @@ class Proposer(Protocol):
 
     def propose_chain(
         self, k: int, sampling: Sampling, generator: torch.Generator | None
-    ) -> tuple[list[int], torch.Tensor | None]: ...
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """k draft tokens, and the [k, V] distributions they were sampled from (None: each draft is deterministic,
+        a point mass, as with greedy decoding or `draft_sampling: argmax`)."""
+        ...
 
     def propose_tree(self, spec: TreeSpec) -> DraftTree: ...
 

@@ -1,16 +1,29 @@
-"""EAGLE-3 draft, TTT masks/positions, loss alignment and draft vocabulary: pure-function tests."""
+"""EAGLE-3 draft, TTT masks/positions, loss alignment, draft vocabulary, and the export configs as engines parse
+them: pure-function tests."""
 
+import json
 import math
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from speculators_train.families.eagle3.formats import (
+    clean_layer_config,
+    load_sglang_eagle3,
+    sglang_config,
+    speculators_config,
+    weight_name,
+)
 from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.eagle3.objective import align, ttt_loss
+from speculators_train.families.eagle3.proposer import Eagle3Proposer
+from speculators_train.families.layouts import export_tensors
 from speculators_train.families.objective import summarize
 from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
+from speculators_train.proposal import Sampling
 from speculators_train.target import TargetHead
 
 H, V, DV, AUX = 32, 64, 16, 3
@@ -225,3 +238,60 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
     assert grads_a.keys() == grads_b.keys() and "fc.weight" in grads_a
     for name in grads_a:
         torch.testing.assert_close(grads_a[name], grads_b[name], msg=name)
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+@pytest.mark.parametrize(
+    "rope", [{"rope_type": "default", "rope_theta": 123456.0}, LLAMA3_ROPE], ids=lambda r: r["rope_type"]
+)
+def test_speculators_export_writes_the_targets_rope_nested_and_flat(rope):
+    """Newer vLLM reads `rope_parameters`; older vLLM reads flat `rope_theta`/`rope_scaling` and, without them,
+    runs theta 10000 (a draft trained at another theta then attends at the wrong positions)."""
+    target = LlamaConfig(hidden_size=H, intermediate_size=48, num_attention_heads=4, vocab_size=V, rope_parameters=rope)
+    config = Eagle3Config.for_target(target, [1, 2, 3], DV, False)
+    written = json.loads(json.dumps(speculators_config(config, "org/target", ["LlamaForCausalLM"], 3, "float32")))
+    layer = written["transformer_layer_config"]
+    assert layer["rope_parameters"]["rope_theta"] == rope["rope_theta"]
+    assert layer.get("rope_theta", 10000.0) == rope["rope_theta"]  # the flat reading, with older vLLM's fallback
+    if rope["rope_type"] == "default":
+        assert "rope_scaling" not in layer
+    else:
+        assert {k: layer["rope_scaling"][k] for k in rope} == rope
+    assert LlamaConfig(**clean_layer_config(layer)).rope_parameters == target.rope_parameters  # our reader agrees
+
+
+def test_sglang_export_carries_ids_each_engine_reads_as_the_trained_ones(tmp_path):
+    """SGLang captures `id + 1` for each id in `eagle_config`; vLLM and llama.cpp's converter read the top-level key
+    as is. Both must land on the trained ids, and our reader follows SGLang's key."""
+    draft = tiny_draft()
+    draft.config.aux_layer_ids = [2, 5, 9]
+    written = json.loads(json.dumps(sglang_config(draft.config, "float32")))
+    sglang = [i + 1 for i in written["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+    vllm = written["eagle_aux_hidden_state_layer_ids"]
+    assert sglang == vllm == [2, 5, 9]
+
+    save_file(export_tensors(draft, "float32", weight_name), tmp_path / "model.safetensors")
+    written["eagle_aux_hidden_state_layer_ids"] = [7, 8, 9]  # a reader of the wrong key would now differ
+    loaded, _ = load_sglang_eagle3(tmp_path, written, target_num_layers=12)
+    assert loaded.config.aux_layer_ids == [2, 5, 9]
+
+
+def test_chain_drafts_the_argmax_at_any_temperature_unless_asked_to_sample():
+    """vLLM and SGLang draft the argmax at T > 0 too; sampled drafts must report the q they were drawn from."""
+    draft = tiny_draft()
+    proposer = Eagle3Proposer(draft)
+    torch.manual_seed(1)
+    proposer.extend(torch.randint(0, V, (6,)).tolist(), torch.randn(6, AUX * H).double())
+    greedy, _ = proposer.propose_chain(4, Sampling(), None)
+    assert proposer.propose_chain(4, Sampling(1.0, 0.9), torch.Generator()) == (greedy, None)
+    _, q = proposer.propose_chain(4, Sampling(1.0, draft_sampling="sample"), torch.Generator().manual_seed(0))
+    assert q.shape == (4, V) and torch.allclose(q.sum(-1), torch.ones(4, dtype=q.dtype))

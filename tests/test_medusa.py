@@ -1,11 +1,17 @@
 """Medusa on small synthetic tensors: the loss alignment (head h at position t is scored against the target's
-choice for token t+2+h, its distribution at t+1+h, with the mask of that token), the per-rank accuracies, and the
-candidate trees built from them."""
+choice for token t+2+h, its distribution at t+1+h, with the mask of that token), the per-rank accuracies, the
+candidate trees built from them, and the export as vLLM's Medusa config parser and loader read it."""
+
+import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from speculators_train.families.medusa.formats import load_medusa, medusa_config, medusa_weights
 from speculators_train.families.medusa.model import MedusaConfig, MedusaDraft
 from speculators_train.families.medusa.objective import medusa_loss
 from speculators_train.families.medusa.proposer import measured_tree
@@ -116,3 +122,57 @@ def test_measured_tree_grows_where_heads_are_accurate_and_keeps_real_ranks():
     assert paths == ((0,), (1,), (0, 1), (0, 1, 0))
     tree = tree_from_paths(list(paths), [[10, 11, 12], [20, 21], [30]])
     assert tree.tokens == [10, 11, 21, 30] and tree.parents == [-1, -1, 0, 2] and tree.depths == [1, 1, 2, 3]
+
+
+def vllm_medusa_config(config: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `MedusaConfig.from_pretrained` key handling: walking the top-level keys in file order, a key holding
+    "num" and "heads" is moved to `num_heads`, else one holding "num" and "layers" to `num_hidden_layers` (a later
+    key overwrites an earlier one); nested values are left alone."""
+    out = dict(config)
+    for key in list(config):
+        if "num" in key and "heads" in key:
+            out["num_heads"] = out.pop(key)
+        elif "num" in key and "layers" in key:
+            out["num_hidden_layers"] = out.pop(key)
+    return out
+
+
+def vllm_medusa_parameters(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The parameters vLLM's `Medusa` model builds from its config, with their shapes; its `load_weights` keeps
+    these names (after stripping `medusa_heads.`) plus `token_map`, and silently drops any other name."""
+    h, heads, layers = config["hidden_size"], config["num_heads"], config["num_hidden_layers"]
+    rows = config.get("truncated_vocab_size") or config["vocab_size"]
+    params: dict[str, tuple[int, ...]] = {}
+    for head in range(heads):
+        for layer in range(layers):
+            params[f"blocks.{head}.layers.{layer}.weight"] = (h, h)
+            if config.get("medusa_fc_bias", False):
+                params[f"blocks.{head}.layers.{layer}.bias"] = (h,)
+        if not config.get("original_lm_head", False):
+            params[f"lm_heads.{head}.weight"] = (rows, h)
+    if config.get("original_lm_head", False):
+        params["lm_head.weight"] = (rows, h)
+    return params
+
+
+def test_vllm_parses_our_medusa_export_to_the_trained_heads_and_blocks(tmp_path: Path):
+    # Blocks per head (2) and the target's layer count (30) differ, so a key renamed onto the other shows.
+    config = MedusaConfig(H, HEADS, 2, 12, V, target_num_layers=30)
+    draft = MedusaDraft(config)
+    kept = [0, 1, 2, 3, 5, 6, 7, 9, 10, 11, 12, 13]
+    draft.d2t.copy_(torch.tensor(kept) - torch.arange(12))
+    written = json.loads(json.dumps(medusa_config(config, "org/target", ["LlamaForCausalLM"], HEADS, "float32")))
+    parsed = vllm_medusa_config(written)
+    assert (parsed["num_heads"], parsed["num_hidden_layers"]) == (HEADS, 2)
+    assert (parsed["hidden_size"], parsed["vocab_size"], parsed["truncated_vocab_size"]) == (H, V, 12)
+
+    weights = medusa_weights(draft, "float32")
+    expected = vllm_medusa_parameters(parsed)
+    assert {name: tuple(t.shape) for name, t in weights.items() if name != "token_map"} == expected
+    assert weights["token_map"].dtype == torch.int64 and weights["token_map"].tolist() == kept
+
+    # Our reader gets the target's layer count back from where it is nested, and from the old top-level key.
+    save_file(weights, tmp_path / "model.safetensors")
+    assert load_medusa(tmp_path, written).config == config
+    old = {k: v for k, v in written.items() if k != "speculators_train"} | {"target_num_layers": 30}
+    assert load_medusa(tmp_path, old).config.target_num_layers == 30

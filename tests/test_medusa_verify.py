@@ -120,12 +120,14 @@ def test_medusa_proposer_drafts_from_the_last_state_after_the_final_norm(target,
 
 def test_sampled_medusa_proposals_come_from_the_distributions_they_report(target, prompts, heads):  # noqa: F811
     """Lossless rejection needs q to be exactly what each draft was drawn from: each head's softmax(logits / T),
-    zero outside the draft vocabulary. 3000 draws of the first two heads are within 4x sampling noise of q."""
+    zero outside the draft vocabulary. 3000 draws of the first two heads are within 4x sampling noise of q. Drafting
+    the argmax instead (the default, as engines do) reports no q: each draft is a point mass."""
     ids = prompts[0]
     proposer = MedusaProposer(heads, target.final_norm)
     proposer.extend(ids[1:], full_final_states(target, ids)[:-1])
-    sampling = Sampling(0.8)
     g = torch.Generator().manual_seed(0)
+    assert proposer.propose_chain(2, Sampling(0.8), g) == (proposer.propose_chain(2, GREEDY, None)[0], None)
+    sampling = Sampling(0.8, draft_sampling="sample")
     draws, q = [], None
     for _ in range(3000):
         tokens, q = proposer.propose_chain(2, sampling, g)

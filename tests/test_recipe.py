@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,25 @@ def test_bad_device_and_layer_ids(tmp_path):
     assert "target.device" in str(err.value) and "target.aux_layer_ids" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("ids", "reason"),
+    [
+        ("[27, 15, 2]", r"not ascending: engines capture aux states in layer order, .* write \[2, 15, 27\]"),
+        ("[2, 15, 15, 27]", r"repeats \[15\]: engines capture each layer once"),
+        ("[0, 15, 27]", r"ids must be >= 1: id 0 is the embeddings"),
+        ("[]", r"must be a non-empty list"),
+    ],
+    ids=["descending", "duplicate", "embeddings", "empty"],
+)
+def test_aux_layer_ids_no_engine_runs_as_trained_are_refused_with_the_reason(tmp_path, ids, reason):
+    path = write(tmp_path, f"name: x\ndata: {{mix: m.yaml}}\ntarget: {{aux_layer_ids: {ids}}}\n")
+    with pytest.raises(UserError) as err:
+        load_recipe(path)
+    lines = str(err.value).splitlines()
+    assert len(lines) == 2 and lines[1].startswith(f"  {path}: target.aux_layer_ids: ")
+    assert re.search(reason, lines[1]), lines[1]
+
+
 def test_overrides_apply_and_validate(tmp_path):
     path = write(tmp_path, "name: x\ndata: {mix: m.yaml}\n")
     assert load_recipe(path, {"data.max_length": 64}).data.max_length == 64
@@ -143,8 +163,15 @@ def test_a_recipe_in_the_old_layout_is_told_the_new_spelling_with_its_own_values
             "draft: {family: eagle3, norm_before_residual: true}\nexport: {format: sglang}",
             r"SGLang's LlamaForCausalLMEagle3 only implements false",
         ),
+        ("target: {aux_layer_ids: [2, 15]}", r"target\.aux_layer_ids \[2, 15\]: an EAGLE-3 draft reads exactly 3"),
     ],
-    ids=["medusa-sglang", "medusa-init-from", "eagle3-measured-tree", "sglang-norm-before-residual"],
+    ids=[
+        "medusa-sglang",
+        "medusa-init-from",
+        "eagle3-measured-tree",
+        "sglang-norm-before-residual",
+        "eagle3-three-aux-ids",
+    ],
 )
 def test_family_rules_are_checked_when_the_recipe_loads(tmp_path, sections, message):
     path = write(tmp_path, f"name: x\ndata: {{mix: m.yaml}}\n{sections}\n")

@@ -62,6 +62,20 @@ def test_second_token_given_the_first_is_distributed_as_the_target():
     assert tv(second, P[1]) < tv_threshold(P[1], len(second))
 
 
+def test_argmax_drafts_verified_as_point_masses_give_the_targets_first_and_second_tokens():
+    """Engines draft the argmax at T > 0 and verify it with q = a point mass (q None here): still exact."""
+    drafts = Q.argmax(-1).tolist()[:2]
+    samples = []
+    for seed in range(2 * N):
+        a, token = rules.accept_chain_sampled(drafts, None, P, torch.Generator().manual_seed(seed))
+        samples.append([*drafts[:a], token, -1, -1][:3])
+    assert tv([s[0] for s in samples], P[0]) < tv_threshold(P[0])
+    second = [s[1] for s in samples if s[1] >= 0]
+    assert len(second) > N // 4
+    assert tv(second, P[1]) < tv_threshold(P[1], len(second))
+    assert torch.equal(rules.point_masses(drafts, 4, torch.device("cpu")), torch.eye(4)[drafts])
+
+
 def test_rejection_must_resample_from_the_residual_not_from_p():
     def resample_from_p(drafts, q_, p_, g):
         for i, token in enumerate(drafts):

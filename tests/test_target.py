@@ -7,7 +7,7 @@ import torch
 
 from speculators_train.errors import UserError
 from speculators_train.recipe import TargetConfig
-from speculators_train.target import NAMED_TARGETS, _package_dir, load_target, resolve_source
+from speculators_train.target import NAMED_TARGETS, _package_dir, default_aux_layer_ids, load_target, resolve_source
 
 
 def test_exposes_shape_template_and_default_ids(target):
@@ -53,6 +53,13 @@ def test_out_of_range_layer_ids_are_refused():
         load_target(TargetConfig(aux_layer_ids=[2, 30]))
 
 
+@pytest.mark.parametrize("num_layers", [1, 3, 4, 6])
+def test_a_target_too_shallow_for_the_default_aux_ids_is_told_to_set_them(num_layers):
+    with pytest.raises(UserError, match=r"target\.aux_layer_ids: the default \[2, N//2, N-3\] is .* not 3 distinct"):
+        default_aux_layer_ids(num_layers)
+    assert default_aux_layer_ids(7) == [2, 3, 4] and default_aux_layer_ids(30) == [2, 15, 27]
+
+
 def test_gguf_is_converted_once_and_reused():
     named = NAMED_TARGETS["smollm2-135m-instruct"]
     first, hub = resolve_source(TargetConfig())
@@ -91,3 +98,58 @@ def test_cached_copy_gives_the_same_logits_as_the_gguf(target):
     ids = torch.tensor([[1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198]])
     with torch.no_grad():
         torch.testing.assert_close(target.model(ids).logits, gguf(ids).logits, rtol=0, atol=0)
+
+
+SMALL = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "vocab_size": 97,
+}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra"),
+    [("llama", {}), ("gemma", {}), ("gemma2", {"final_logit_softcapping": 3.0})],
+)
+def test_training_head_gives_the_targets_own_logits(tmp_path, model_type, extra):
+    """TargetHead, built from the saved weights without the model, turns the last pre-norm state into the model's
+    logits: Llama's RMSNorm, Gemma's x * (1 + w), and Gemma 2's soft-capping."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from speculators_train.target import TargetHead, load_head_weights
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **SMALL, **extra)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        model.model.norm.weight.normal_(0, 0.5)  # Gemma starts it at 0 (an offset from 1), Llama at 1
+        model.lm_head.weight.normal_(0, 1)  # logits of a few units, so the cap bends them
+    model.save_pretrained(tmp_path)
+    target_config, weights = load_head_weights(TargetConfig(name_or_path=str(tmp_path)))
+    head = TargetHead.from_weights(target_config, weights)
+
+    finals = []
+    hook = model.model.layers[-1].register_forward_hook(lambda _m, _a, out: finals.append(out))
+    with torch.no_grad():
+        ref = model(torch.randint(0, 97, (1, 9))).logits
+    hook.remove()
+    final = finals[0][0] if isinstance(finals[0], tuple) else finals[0]
+    torch.testing.assert_close(head(final), ref)
+    if model_type != "llama":  # Llama's head is measurably wrong here
+        llama = LlamaRMSNorm(32, eps=config.rms_norm_eps)
+        llama.weight.data.copy_(weights["norm"])
+        assert not torch.allclose(TargetHead(llama, weights["lm_head"])(final), ref, atol=1e-2)
+
+
+def test_a_target_head_that_is_not_reproduced_is_refused():
+    from transformers import CohereConfig
+
+    from speculators_train.target import TargetHead
+
+    with pytest.raises(UserError, match=r"target model_type 'cohere' scales its logits \(\{'logit_scale': 0\.0625\}\)"):
+        TargetHead.from_weights(CohereConfig(**SMALL), {})

@@ -148,7 +148,7 @@ class OnlineDistiller:
         redact = Redactor(self.cfg.redact, self.cfg.redact_builtin, self.cfg.redact_hook)
         self.ingestor = LogIngestor(logs, self.root / "ingest", redact, self.cfg.commit_every)
         t = self.target
-        self.head = TargetHead(t.final_norm, t.lm_head.weight.detach()).to(next(t.model.parameters()).device)
+        self.head = TargetHead.from_target(t).to(next(t.model.parameters()).device)
         self.scorer = Scorer(self.family, self.head, recipe.draft, recipe.eval.num_speculative_tokens)
         self.acc = accelerator(recipe, distributed=False)
         progress = self.root / "progress.json"
@@ -254,7 +254,7 @@ class OnlineDistiller:
             conversations: list[Conversation] = []
             for name in suites:
                 where = self.recipe.resolve_path(name, "eval.suites")
-                suite = load_suite(where, self.recipe, self.target.tokenizer, per_suite)
+                suite = load_suite(where, self.recipe, self.target, per_suite)
                 conversations += answered(suite, self.target, self.recipe)
             records = [{"id": c.id, "messages": list(c.messages)} for c in conversations[: self.cfg.general_records]]
             stored = {**frozen, "conversations": records}

@@ -209,7 +209,7 @@ class SpeculativeDecoder:
                 a, token = rules.accept_chain_greedy(drafts, logits)
             else:
                 p = rules.target_probs(logits, self.sampling)
-                a, token = rules.accept_chain_sampled(drafts, q.to(p.device), p, generator)
+                a, token = rules.accept_chain_sampled(drafts, None if q is None else q.to(p.device), p, generator)
             return list(range(a)), token
         path: list[int] = []
         node = -1

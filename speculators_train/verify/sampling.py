@@ -3,7 +3,8 @@ tested on its own: greedy prefix matching, and lossless rejection sampling for c
 
 Chain: drafted x_i ~ q_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); the first rejection draws the
 next token from norm(max(0, p_i - q_i)); if all K are accepted the bonus token is drawn from the *target's*
-p_K (position K+1), never from the draft.
+p_K (position K+1), never from the draft. A deterministic draft (the argmax, as vLLM and SGLang draft at T > 0) is
+q_i = a point mass at x_i: accepted with probability p_i(x_i), a rejection draws from p_i without x_i.
 
 Tree: the children of a node are deterministic top-k picks, i.e. proposals with q = a point mass. Trying them in
 turn, child x is accepted with probability p(x) (= min(1, p(x)/1)); on rejection p loses x and is renormalised
@@ -49,11 +50,19 @@ def accept_chain_greedy(draft: list[int], target_logits: torch.Tensor) -> tuple[
     return a, choice[a]
 
 
+def point_masses(draft: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """q [K, V] of deterministic drafts: row i is one-hot at draft[i]."""
+    ids = torch.tensor(draft, dtype=torch.long, device=device)[:, None]
+    return torch.zeros(len(draft), vocab, device=device).scatter_(1, ids, 1.0)
+
+
 def accept_chain_sampled(
-    draft: list[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None
+    draft: list[int], q: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[int, int]:
-    """Rejection sampling over a chain. q: [K, V] draft distributions the drafts were sampled from;
-    p: [K+1, V] target distributions (row K is the bonus position)."""
+    """Rejection sampling over a chain. q: [K, V] draft distributions the drafts were sampled from (None: each
+    draft was deterministic, a point mass); p: [K+1, V] target distributions (row K is the bonus position)."""
+    if q is None:
+        q = point_masses(draft, p.shape[-1], p.device)
     for i, token in enumerate(draft):
         if _uniform(generator, p.device) * q[i, token] < p[i, token]:  # u < p/q without dividing by a tiny q
             continue

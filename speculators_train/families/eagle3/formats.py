@@ -14,7 +14,8 @@ SGLang / original EAGLE (SGLang's `LlamaForCausalLMEagle3`, SpecForge):
 
     config.json         a flat LlamaConfig: architectures ["LlamaForCausalLMEagle3"], draft_vocab_size,
                         target_hidden_size, tie_word_embeddings false,
-                        eagle_config {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state}
+                        eagle_config {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state} (SGLang's ids),
+                        eagle_aux_hidden_state_layer_ids (ours, unshifted: what vLLM and llama.cpp read)
     model.safetensors   fc, midlayer.* (where we write layers.0.*), norm, lm_head, embed_tokens, d2t, t2d
 
     What SGLang does with it, and why the writer refuses some drafts:
@@ -48,11 +49,18 @@ _FILE_KEYS = ("transformers_version", "dtype", "torch_dtype", "_name_or_path", "
 
 
 def layer_config(config: Eagle3Config) -> dict[str, Any]:
-    """The full LlamaConfig dict of the single decoder layer, as engines rebuild it."""
+    """The full LlamaConfig dict of the single decoder layer, as engines rebuild it: RoPE both nested
+    (`rope_parameters`, newer vLLM) and flat (`rope_theta`, and `rope_scaling` unless default), which older vLLM
+    and SGLang read, falling back to theta 10000 without them."""
     layer = LlamaConfig(**config.layer_config).to_dict()
     for key in _FILE_KEYS:
         layer.pop(key, None)
     layer.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False)
+    rope = layer.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        layer["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default":
+        layer["rope_scaling"] = dict(rope)
     return layer
 
 
@@ -161,26 +169,22 @@ def unsupported(config: Eagle3Config) -> list[str]:
 
 
 def sglang_config(config: Eagle3Config, dtype: str) -> dict[str, Any]:
-    layer = layer_config(config)
-    rope = layer.get("rope_parameters") or {}
-    out = {
-        **layer,
+    """SGLang reads the ids in `eagle_config` (shifted: its id i is our i + 1); vLLM and llama.cpp's converter read
+    the top-level key, unshifted, so both are written."""
+    return {
+        **layer_config(config),
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
         "tie_word_embeddings": False,  # true would make SGLang use the embedding as the draft-vocab lm_head
+        "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": [i - 1 for i in config.aux_layer_ids],
             "use_aux_hidden_state": True,
         },
         "torch_dtype": dtype,
     }
-    if "rope_theta" in rope:  # SGLang builds RoPE from the flat legacy keys
-        out["rope_theta"] = rope["rope_theta"]
-    if rope.get("rope_type", "default") != "default":
-        out["rope_scaling"] = dict(rope)
-    return out
 
 
 def weight_name(name: str) -> str:

@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft as a proposer: chains (greedy or sampled) and EAGLE-2-style dynamic trees, with its own KV
+"""The EAGLE-3 draft as a proposer: chains (argmax or sampled drafts) and EAGLE-2-style dynamic trees, with its own KV
 cache that rolls back to the committed positions before every proposal."""
 
 from __future__ import annotations
@@ -56,14 +56,14 @@ class Eagle3Proposer:
     def propose_chain(
         self, k: int, sampling: Sampling, generator: torch.Generator | None
     ) -> tuple[list[int], torch.Tensor | None]:
-        """k tokens, each from the draft's argmax (greedy) or sampled from softmax(logits / T); for sampling also
-        the draft distributions over the target vocabulary [k, V] that the rejection rule needs."""
+        """k tokens, each the draft's argmax or (`sampling.samples_drafts`) sampled from softmax(logits / T); for
+        sampled drafts also the draft distributions over the target vocabulary [k, V] that the rejection rule needs."""
         self.cache.crop(self.committed)
         hidden, logits = self.hidden, self.logits
         tokens: list[int] = []
         qs = []
         for i in range(k):
-            if sampling.greedy:
+            if not sampling.samples_drafts:
                 choice = logits.argmax()
             else:
                 q = torch.softmax(logits.float() / sampling.temperature, dim=-1)
@@ -76,7 +76,7 @@ class Eagle3Proposer:
             allowed = torch.ones(1, len(self.cache) + 1, dtype=torch.bool, device=self.device)
             hidden, step_logits = self._step(self.targets[choice][None], hidden, position, allowed)
             logits = step_logits[0, -1]
-        if sampling.greedy:
+        if not sampling.samples_drafts:
             return tokens, None
         q_target = torch.zeros(k, self.draft.config.target_vocab_size, device=self.device)
         q_target[:, self.targets] = torch.stack(qs)

@@ -2,6 +2,8 @@
 
     config.json         model_type "medusa", architectures ["MedusaModel"], hidden_size, vocab_size (the target's),
                         num_heads, num_hidden_layers (blocks per head), truncated_vocab_size, medusa_fc_bias,
+                        speculators_train {target_num_layers} (nested: vLLM's MedusaConfig renames every top-level
+                        key holding "num" and "layers" to num_hidden_layers, and "num" and "heads" to num_heads),
                         plus speculators_model_type "medusa" and speculators_config {algorithm, proposal_methods,
                         verifier} as `speculators` writes them for EAGLE-3
     model.safetensors   blocks.{h}.layers.{l}.weight/.bias, lm_heads.{h}.weight [truncated_vocab_size, H],
@@ -41,7 +43,8 @@ def medusa_config(
         "truncated_vocab_size": config.draft_vocab_size,
         "medusa_fc_bias": True,
         "original_lm_head": False,
-        "target_num_layers": config.target_num_layers,
+        # Nested: vLLM renames every top-level key holding "num" and "layers" to num_hidden_layers, in file order.
+        "speculators_train": {"target_num_layers": config.target_num_layers},
         "speculators_model_type": "medusa",
         "speculators_version": SPECULATORS_VERSION,
         "speculators_config": proposal_config("medusa", speculative_tokens, verifier, verifier_architectures),
@@ -66,6 +69,7 @@ def load_medusa(path: Path, config: dict[str, Any]) -> MedusaDraft:
     missing = [key for key in ("hidden_size", "vocab_size", "num_heads") if key not in config]
     if missing:
         raise UserError(f"{path / 'config.json'}: not a Medusa config (missing {missing})")
+    ours = config.get("speculators_train") or {}  # exports before it was nested carry the key top-level
     vocab = int(config["vocab_size"])
     truncated = int(config.get("truncated_vocab_size") or vocab)
     cfg = MedusaConfig(
@@ -74,7 +78,7 @@ def load_medusa(path: Path, config: dict[str, Any]) -> MedusaDraft:
         num_layers=int(config.get("num_hidden_layers", 1)),
         draft_vocab_size=truncated,
         target_vocab_size=vocab,
-        target_num_layers=int(config.get("target_num_layers") or 0),
+        target_num_layers=int(ours.get("target_num_layers") or config.get("target_num_layers") or 0),
     )
     weights = {name.removeprefix("medusa_heads."): t for name, t in read_weights(path).items()}
     if config.get("original_lm_head") and "lm_heads.0.weight" in weights:

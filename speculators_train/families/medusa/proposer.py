@@ -43,11 +43,11 @@ class MedusaProposer:
     def propose_chain(
         self, k: int, sampling: Sampling, generator: torch.Generator | None
     ) -> tuple[list[int], torch.Tensor | None]:
-        """Head h's argmax (greedy) or a sample from its softmax(logits / T); each head's distribution is fixed
-        before any draft is drawn, so it is exactly the q the rejection rule needs."""
+        """Head h's argmax or (`sampling.samples_drafts`) a sample from its softmax(logits / T); each head's
+        distribution is fixed before any draft is drawn, so it is exactly the q the rejection rule needs."""
         self._heads(k)
         logits = self.logits[:k]
-        if sampling.greedy:
+        if not sampling.samples_drafts:
             return self.targets[logits.argmax(-1)].tolist(), None
         q = torch.softmax(logits / sampling.temperature, dim=-1)
         choices = torch.multinomial(q, 1, generator=generator)[:, 0]
