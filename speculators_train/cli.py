@@ -22,6 +22,8 @@ console = Console(stderr=True)
 
 def _recipe(args: argparse.Namespace) -> Recipe:
     overrides = parse_overrides(args.set)
+    if getattr(args, "engine", None):
+        overrides["eval.engine"] = args.engine
     if getattr(args, "format", None):  # checked against the draft family's formats when the recipe loads
         overrides["export.format"] = args.format
     return load_recipe(args.recipe, overrides)
@@ -215,12 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "verify":
             p.add_argument("--draft", help="checkpoint dir, or a checkpoints/run dir (its best); default: the recipe's")
             p.add_argument("--out", help="output dir; default <run dir>/verify/<timestamp>")
+            p.add_argument("--engine", choices=["native", "llama.cpp"], help="default: eval.engine")
         if name == "export":
             p.add_argument(
                 "--checkpoint", help="checkpoint dir, checkpoints/run dir (its best), or a draft made elsewhere"
             )
             p.add_argument(
-                "--format", help="a layout of the draft's family (speculators, sglang); default: export.format"
+                "--format", help="a layout of the draft's family (speculators, sglang, gguf); default: export.format"
             )
             p.add_argument("--out", help="output dir; default <run dir>/export/<format>")
             p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: export.dtype")

@@ -38,8 +38,8 @@ class TargetConfig(Section):
     )
     aux_layer_ids: list[int] | None = Field(
         None,
-        description="Residual-stream ids to capture (id k = after k decoder layers = HF hidden_states[k]); "
-        "default [2, N//2, N-3].",
+        description="Residual-stream ids to capture (id k = after k decoder layers = HF hidden_states[k]), "
+        "ascending, distinct and >= 1, as engines capture them; default [2, N//2, N-3].",
     )
     trust_remote_code: bool = False
     cpu_packed_weights: bool = Field(
@@ -59,8 +59,24 @@ class TargetConfig(Section):
     @field_validator("aux_layer_ids")
     @classmethod
     def _ids(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and (not value or any(i < 0 for i in value)):
-            raise ValueError("must be a non-empty list of non-negative layer ids")
+        """Only what vLLM, SGLang and llama.cpp run as trained: they capture each layer's state once, in layer
+        order, and none captures the embeddings (id 0)."""
+        if value is None:
+            return value
+        if not value:
+            raise ValueError("must be a non-empty list of layer ids")
+        if min(value) < 1:
+            raise ValueError(
+                "ids must be >= 1: id 0 is the embeddings, which vLLM, SGLang and llama.cpp do not capture"
+            )
+        repeated = sorted({i for i in value if value.count(i) > 1})
+        if repeated:
+            raise ValueError(f"repeats {repeated}: engines capture each layer once; give distinct ids")
+        if value != sorted(value):
+            raise ValueError(
+                "not ascending: engines capture aux states in layer order, so a draft trained on this order would "
+                f"read them permuted; write {sorted(value)}"
+            )
         return value
 
 
@@ -163,6 +179,35 @@ class TreeConfig(Section):
     )
 
 
+class LlamaCppConfig(Section):
+    """`verify --engine llama.cpp`: the suites decoded by llama-server, target-only and speculatively."""
+
+    targets: list[Literal["gguf", "f32"]] = Field(
+        default_factory=lambda: ["gguf", "f32"],
+        description="gguf: the GGUF file the recipe's target names, as served (quantized kernels: greedy output "
+        "may fork with the verify width, so the first divergence is reported); f32: an unquantized GGUF made once "
+        "from the dequantised weights, where outputs must be identical.",
+    )
+    speculative_tokens: list[int] = Field(
+        default_factory=lambda: [1, 2, 3, 4, 5, 6, 7], description="K values run with the draft (one server each)."
+    )
+    draft_p_min: float = Field(
+        0.0, ge=0, lt=1, description="llama.cpp stops a draft at the first token below this probability (0: never)."
+    )
+    baselines: list[Literal["ngram-simple", "ngram-cache", "ngram-mod"]] = Field(
+        default_factory=lambda: ["ngram-simple", "ngram-cache", "ngram-mod"],
+        description="llama.cpp's draftless methods run on the same prompts, with their defaults.",
+    )
+    threads: int | None = Field(None, gt=0, description="llama.cpp threads; default: every core this process has.")
+
+    @field_validator("speculative_tokens")
+    @classmethod
+    def _ks(cls, value: list[int]) -> list[int]:
+        if any(k < 1 for k in value):
+            raise ValueError("each K must be >= 1")
+        return value
+
+
 class EvalConfig(Section):
     suites: list[str] = Field(
         default_factory=lambda: ["eval/suites/sharegpt-held-out.yaml"], description="Suite YAML files."
@@ -172,8 +217,19 @@ class EvalConfig(Section):
     tree: TreeConfig = Field(default_factory=TreeConfig)
     temperatures: list[float] = Field(default_factory=lambda: [0.0], description="0 = greedy; one run each.")
     top_p: float = Field(1.0, gt=0, le=1)
+    draft_sampling: Literal["argmax", "sample"] = Field(
+        "argmax",
+        description="How a chain drafts at temperature > 0: argmax, as vLLM and SGLang do (so AL at T > 0 here "
+        "predicts theirs), or sample from the draft's softmax(logits / T); the output is the target's either way.",
+    )
     num_prompts: int | None = Field(None, gt=0, description="Override every suite's prompt count.")
     max_new_tokens: int | None = Field(None, gt=0, description="Override every suite's generation length.")
+    engine: Literal["native", "llama.cpp"] = Field(
+        "native",
+        description="native: this toolkit's loop on the target in transformers; llama.cpp: llama-server on the "
+        "target's GGUF with the draft exported to GGUF (EAGLE-3), greedy (verify --engine overrides it).",
+    )
+    llama_cpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig)
 
     @field_validator("temperatures")
     @classmethod

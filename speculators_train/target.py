@@ -125,6 +125,30 @@ def _converted_gguf_dir(gguf_path: Path) -> Path:
     return out
 
 
+def gguf_file(cfg: TargetConfig) -> Path | None:
+    """The GGUF file the recipe's target is read from (what llama.cpp serves), or None for an HF target."""
+    name = cfg.name_or_path
+    if name in NAMED_TARGETS:
+        return _package_dir(NAMED_TARGETS[name].package) / NAMED_TARGETS[name].gguf_file
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        return path
+    if cfg.gguf_file and path.is_dir():
+        return path / cfg.gguf_file
+    return None
+
+
+def describe_source(cfg: TargetConfig) -> str:
+    """What a draft was trained and measured against, in words: a GGUF file is dequantised to float by
+    `transformers`, which is not the full-precision hub model an export names as its verifier."""
+    file = gguf_file(cfg)
+    if file is None:
+        return f"`{cfg.name_or_path}`" + (f" (revision {cfg.revision})" if cfg.revision else "")
+    named = NAMED_TARGETS.get(cfg.name_or_path)
+    origin = f" from the `{named.package.replace('_', '-')}` package" if named else ""
+    return f"the GGUF file `{file.name}`{origin}, dequantised to float by transformers"
+
+
 def resolve_source(cfg: TargetConfig) -> tuple[str, str | None]:
     """Map the recipe's target to something `from_pretrained` reads: (local dir or hub id, hub id or None)."""
     name = cfg.name_or_path
@@ -317,33 +341,70 @@ class Target:
         return packed_linears([self.model, *others] if self.cpu_packed_weights else [], rows)
 
     def logits_from_final(self, final: torch.Tensor) -> torch.Tensor:
-        """Target logits from a stored pre-norm final state: lm_head(norm(h_N))."""
-        return self.lm_head(self.final_norm(final))
+        """Target logits from a stored pre-norm final state: lm_head(norm(h_N)), soft-capped as the target caps."""
+        return softcapped(self.lm_head(self.final_norm(final)), logit_softcap(self.config))
+
+
+# Targets whose final norm is RMSNorm times (1 + w): Gemma stores the weight as an offset from 1.
+OFFSET_NORM_TYPES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
+
+
+def logit_softcap(config) -> float | None:
+    """The target's final logit soft-capping (Gemma 2/3: logits = cap * tanh(logits / cap)), None without one.
+    Refuses a head this module does not reproduce (a logit scale, another Gemma variant's head), so a draft is
+    never distilled against logits that are not the target's."""
+    text = config.get_text_config()
+    model_type = getattr(text, "model_type", "")
+    scales = {key: getattr(text, key, None) for key in ("logit_scale", "logits_scaling")}
+    scales = {key: value for key, value in scales.items() if value not in (None, 1, 1.0)}
+    if scales or (model_type.startswith("gemma") and model_type not in OFFSET_NORM_TYPES):
+        detail = f"scales its logits ({scales})" if scales else "has a head of its own"
+        raise UserError(
+            f"target model_type {model_type!r} {detail}: the training head reproduces RMSNorm (Llama, Gemma's "
+            "1 + w) + lm_head with optional soft-capping only"
+        )
+    return getattr(text, "final_logit_softcapping", None) or None
+
+
+def softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap), in the order HF computes it; `logits` unchanged without a cap."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 class TargetHead(nn.Module):
-    """The target's final norm + lm_head, frozen: turns stored pre-norm states into target logits."""
+    """The target's final norm + lm_head (+ logit soft-capping where the target has it), frozen: turns stored
+    pre-norm states into target logits."""
 
-    def __init__(self, norm: nn.Module, lm_head_weight: torch.Tensor) -> None:
+    def __init__(self, norm: nn.Module, lm_head_weight: torch.Tensor, softcap: float | None = None) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = nn.Linear(lm_head_weight.shape[1], lm_head_weight.shape[0], bias=False)
         with torch.no_grad():
             self.lm_head.weight.copy_(lm_head_weight)
+        self.softcap = softcap
         self.requires_grad_(False)
 
     @classmethod
     def from_weights(cls, config, weights: dict[str, torch.Tensor]) -> TargetHead:
-        """From `load_head_weights`' config and tensors, without the model."""
+        """From `load_head_weights`' config and tensors, without the model: the norm of the target's family."""
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
         from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-        norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        softcap = logit_softcap(config)
+        text = config.get_text_config()
+        norm_type = GemmaRMSNorm if text.model_type in OFFSET_NORM_TYPES else LlamaRMSNorm
+        norm = norm_type(text.hidden_size, eps=text.rms_norm_eps)
         with torch.no_grad():
             norm.weight.copy_(weights["norm"])
-        return cls(norm, weights["lm_head"])
+        return cls(norm, weights["lm_head"], softcap)
+
+    @classmethod
+    def from_target(cls, target: Target) -> TargetHead:
+        """The loaded target's own norm module and lm_head weight (shared, not copied for the norm)."""
+        return cls(target.final_norm, target.lm_head.weight.detach(), logit_softcap(target.config))
 
     def forward(self, final: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(final))
+        return softcapped(self.lm_head(self.norm(final)), self.softcap)
 
 
 def load_head_weights(cfg: TargetConfig):
@@ -377,7 +438,20 @@ def load_head_weights(cfg: TargetConfig):
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    return [2, num_layers // 2, num_layers - 3]
+    """The engines' default [2, N//2, N-3]; below 7 layers it repeats or reverses ids (engines capture each
+    layer once, in order), so such a target needs ids chosen in the recipe."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    if ids[0] < ids[1] < ids[2]:
+        return ids
+    hint = (
+        f"set target.aux_layer_ids, e.g. [1, {num_layers // 2}, {num_layers - 1}]"
+        if num_layers >= 4
+        else f"it has {max(num_layers - 1, 0)} capturable ids (1..N-1), fewer than the 3 an EAGLE-3 draft reads"
+    )
+    raise UserError(
+        f"target.aux_layer_ids: the default [2, N//2, N-3] is {ids} for a target with {num_layers} layers, not 3 "
+        f"distinct ascending ids; {hint}"
+    )
 
 
 def load_target(cfg: TargetConfig) -> Target:

@@ -220,7 +220,8 @@ def test_generation_stops_at_eos_and_at_the_limit_even_when_drafts_run_past(targ
 
 class TargetSampler:
     """Proposes tokens sampled from the target's own distribution at temperature 1.6 (flatter than the T=1 it is
-    verified at): drafts are accepted often but not always, so every branch of the rule runs."""
+    verified at), or its argmax (reporting no q) when the sampling asks for argmax drafts: drafts are accepted often
+    but not always, so every branch of the rule runs."""
 
     states = StateSpec()  # reads no target state
 
@@ -241,25 +242,28 @@ class TargetSampler:
                 with torch.no_grad():
                     self.memo[tuple(seq)] = self.target.model(torch.tensor([seq])).logits[0, -1]
             q = torch.softmax(self.memo[tuple(seq)] / 1.6, dim=-1)
-            token = int(torch.multinomial(q, 1, generator=generator))
+            token = int(torch.multinomial(q, 1, generator=generator)) if sampling.samples_drafts else int(q.argmax())
             tokens.append(token)
             qs.append(q)
             seq.append(token)
-        return tokens, torch.stack(qs)
+        return tokens, torch.stack(qs) if sampling.samples_drafts else None
 
     def propose_tree(self, spec: TreeSpec) -> DraftTree:
         raise NotImplementedError
 
 
-def test_sampled_first_and_second_tokens_follow_the_target(target):
+@pytest.mark.parametrize("draft_sampling", ["sample", "argmax"])
+def test_sampled_first_and_second_tokens_follow_the_target(target, draft_sampling):
     """T=1 over 300 seeds: the first token (accepted draft or residual) and the second token after the most common
-    first token (a correction, or the bonus) match the target's exact distributions within 4x sampling noise."""
+    first token (a correction, or the bonus) match the target's exact distributions within 4x sampling noise, with
+    sampled drafts and with argmax drafts (verified as point masses)."""
     prompt = chat(target, "Count from 1 to 10, separated by commas.")
     runs = 300
     out, memo = [], {}
     for seed in range(runs):
         g = torch.Generator().manual_seed(seed)
-        decoder = SpeculativeDecoder(target, TargetSampler(target, prompt, memo), Sampling(1.0), 1)
+        sampling = Sampling(1.0, draft_sampling=draft_sampling)
+        decoder = SpeculativeDecoder(target, TargetSampler(target, prompt, memo), sampling, 1)
         out.append(decoder.generate(prompt, 2, set(), g))
     accepted = sum(sum(r.accepted) for r in out)
     assert 0 < accepted < sum(len(r.accepted) for r in out), "drafts must be both accepted and rejected"
@@ -368,18 +372,18 @@ def test_a_draft_for_another_target_or_a_suite_without_prompts_is_refused(tmp_pa
     suite = tmp_path / "suite.yaml"
     suite.write_text("name: none\nsplit: held_out\nmatch: 'zzzz-no-such-words-zzzz'\n")
     with pytest.raises(UserError, match=r"suite 'none' found no prompts \(held_out split of .*matching"):
-        load_suite(suite, recipe, target.tokenizer)
+        load_suite(suite, recipe, target)
     suite.write_text("name: bad\nmatch: '(unclosed'\n")
     with pytest.raises(UserError, match=r"suite.yaml: match: .*not a valid regular expression"):
-        load_suite(suite, recipe, target.tokenizer)
+        load_suite(suite, recipe, target)
 
 
 def test_the_general_chat_suite_leaves_out_what_the_coding_suite_selects(tmp_path, target):
     """sharegpt-chat gates online distillation on coding traffic: it must not hold a single coding request."""
     recipe = load_recipe(make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 30}]))
     suites = REPO / "eval" / "suites"
-    chat = load_suite(suites / "sharegpt-chat.yaml", recipe, target.tokenizer)
-    code = load_suite(suites / "sharegpt-code.yaml", recipe, target.tokenizer, 64)
+    chat = load_suite(suites / "sharegpt-chat.yaml", recipe, target)
+    code = load_suite(suites / "sharegpt-code.yaml", recipe, target, 64)
     coding = re.compile(code.config.match, re.IGNORECASE)
     assert len(chat.prompts) == 32
     assert not any(coding.search(m["content"]) for p in chat.prompts for m in p.messages if m["role"] == "user")

@@ -25,7 +25,7 @@ from speculators_train.families.layouts import DTYPES
 from speculators_train.files import read_json
 from speculators_train.hidden_states.shards import MANIFEST
 from speculators_train.recipe import Recipe
-from speculators_train.target import load_head_weights, resolve_source
+from speculators_train.target import describe_source, gguf_file, load_head_weights, resolve_source
 
 
 @dataclass
@@ -62,6 +62,7 @@ def model_card(
         "| setting | value |",
         "|---|---|",
         f"| target (verifier) | `{verifier}` |",
+        f"| trained and measured against | {describe_source(recipe.target)} |",
         *(f"| {name} | {value} |" for name, value in family.card_rows(loaded.draft, fmt, k)),
         f"| dtype | {dtype} |",
         "",
@@ -112,6 +113,22 @@ def model_card(
     return "\n".join(lines)
 
 
+def local_config_dir(source: str, revision: str | None) -> Path:
+    """The target's config and tokenizer files as a local directory (a hub id is fetched without its weights)."""
+    if Path(source).is_dir():
+        return Path(source)
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.model", "*.txt", "*.tiktoken"]
+    return Path(snapshot_download(source, revision=revision, allow_patterns=patterns))
+
+
+def llamacpp_converter() -> Path:
+    from speculators_train.engines import llamacpp
+
+    return llamacpp.home() / "convert" / llamacpp.CONVERTER[0]
+
+
 def _replace(tmp: Path, out: Path) -> None:
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     if out.exists():
@@ -151,14 +168,25 @@ def export(
         raise UserError(f"{loaded.path}: cannot export in the {fmt} layout: {'; '.join(problems)}")
 
     verifier = recipe.export.verifier or hub_id or recipe.target.name_or_path
+    served = verifier
     notes = []
+    if layout.target_file:  # the engine loads the target's GGUF file, not a hub id
+        target_gguf = gguf_file(recipe.target)
+        if target_gguf is None:
+            served = f"{Path(source).name}.gguf"
+            notes.append(
+                f"the target is not a GGUF file: make {served} once with llama.cpp's converter "
+                f"(python {llamacpp_converter()} {source} --outfile {served} --outtype bf16)"
+            )
+        else:
+            served = str(target_gguf)
     if hub_id is None and not recipe.export.verifier:
         notes.append(
             f"verifier {verifier!r} is a local path: a serving machine must have it there too, and vLLM's "
             "one-argument `vllm serve <dir>` needs a hub id (set export.verifier)"
         )
     k = family.draft_tokens(draft, recipe.eval.num_speculative_tokens)
-    commands = layout.commands(out, verifier, recipe.eval, k)
+    commands = layout.commands(out, served, recipe.eval, k)
     architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
     config, weights = layout.write(draft, dtype, verifier, architectures, k)
 
@@ -175,6 +203,7 @@ def export(
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(source, revision=recipe.target.revision).save_pretrained(tmp)
+        layout.finish(tmp, local_config_dir(source, recipe.target.revision), dtype)
         (tmp / "README.md").write_text(model_card(recipe, loaded, fmt, dtype, verifier, k, commands))
         _replace(tmp, out)
     except OSError as exc:

@@ -49,6 +49,9 @@ class Layout(ABC):
 
     name: ClassVar[str]  # the export.format value
     engines: ClassVar[str]  # who loads it, for the card
+    # The engine takes the target as a local GGUF file (llama.cpp) rather than a hub id: `commands` then gets the
+    # target's GGUF path as its verifier.
+    target_file: ClassVar[bool] = False
 
     @abstractmethod
     def detect(self, config: dict[str, Any]) -> bool:
@@ -67,6 +70,11 @@ class Layout(ABC):
     def unsupported(self, draft: nn.Module) -> list[str]:
         """Why the engine would run this draft differently from how it was trained (empty when it would not)."""
         return []
+
+    def finish(self, out: Path, target_dir: Path, dtype: str) -> None:
+        """Add the engine's own files to the written export at `out` (config.json, model.safetensors and the
+        tokenizer are there; `target_dir` is the target as an HF directory), for engines that read another format."""
+        return None
 
     @abstractmethod
     def commands(self, out: Path, verifier: str, ev: EvalConfig, k: int) -> list[str]:

@@ -94,22 +94,31 @@ def speedup_cell(record: dict[str, Any]) -> str:
     return f"{record['speedup']:.2f}x ({low:.2f}-{high:.2f})"
 
 
+def engine_cell(record: dict[str, Any]) -> str:
+    """'native', or 'llama.cpp (SmolLM2...Q4_1.gguf)': who decoded, and from which target file."""
+    engine = record.get("engine", "native")
+    return f"{engine} ({record['target_file']})" if record.get("target_file") else engine
+
+
 def markdown(records: list[dict[str, Any]]) -> str:
     head = (
-        "| suite | shape | T | prompts | AL | per-position acceptance | draft acc. rate | steps "
+        "| engine | suite | shape | T | prompts | AL | per-position acceptance | draft acc. rate | steps "
         "| target-only tok/s | spec tok/s | speedup (prompt IQR) | draft / verify / other s | greedy identical |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for r in records:
         s = r["seconds"]
-        other = s["spec_prefill"] + s["spec_bookkeeping"]
+        if "spec_draft" in s:
+            phases = f"{s['spec_draft']:.1f} / {s['spec_verify']:.1f} / {s['spec_prefill'] + s['spec_bookkeeping']:.1f}"
+        else:  # an engine that times only the whole decode
+            phases = "-"
         rows.append(
-            f"| {r['suite']} | {r['shape']} | {r['temperature']:g} | {r['prompts']} | {r['acceptance_length']:.2f} "
+            f"| {engine_cell(r)} | {r['suite']} | {r['shape']} | {r['temperature']:g} | {r['prompts']} "
+            f"| {r['acceptance_length']:.2f} "
             f"| {' '.join(f'{x:.2f}' for x in r['per_position_acceptance'])} | {r['draft_acceptance_rate']:.3f} "
             f"| {r['steps']} | {r['target_only_tokens_per_s']:.1f} | {r['speculative_tokens_per_s']:.1f} "
-            f"| {speedup_cell(r)} | {s['spec_draft']:.1f} / {s['spec_verify']:.1f} / {other:.1f} "
-            f"| {r.get('greedy_identical_outputs', '-')} |"
+            f"| {speedup_cell(r)} | {phases} | {r.get('greedy_identical_outputs', '-')} |"
         )
     return head + "\n".join(rows) + "\n"
 
@@ -124,7 +133,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     labels = []
     for r in records:
-        label = f"{r['suite']} {r['shape']} T={r['temperature']:g}"
+        engine = f"{r['engine']}/{r.get('target', '')} " if r.get("engine") else ""
+        label = f"{engine}{r['suite']} {r['shape']} T={r['temperature']:g}"
         labels.append(label)
         rates = r["per_position_acceptance"]
         left.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{label} (AL {r['acceptance_length']:.2f})")

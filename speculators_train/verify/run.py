@@ -126,17 +126,24 @@ def shape_of(recipe: Recipe, loaded: LoadedDraft) -> tuple[str, int, TreeSpec | 
 
 
 def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tuple[Path, list[dict[str, Any]]]:
+    """Score the draft at `draft_path` on the recipe's suites in `eval.engine`; returns the results directory
+    and its records."""
     target = load_target(recipe.target)
     loaded = load_draft_for(target, draft_path)
     ev = recipe.eval
-    suites = [
-        load_suite(recipe.resolve_path(s, "eval.suites"), recipe, target.tokenizer, ev.num_prompts) for s in ev.suites
-    ]
+    suites = [load_suite(recipe.resolve_path(s, "eval.suites"), recipe, target, ev.num_prompts) for s in ev.suites]
     out_dir = out_dir or recipe.run_dir / "verify" / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     dump = recipe.model_dump(mode="json")
     atomic_write_bytes(out_dir / "recipe.yaml", yaml.safe_dump(dump, sort_keys=False).encode())
     write_run_info(out_dir, dump)
+    if ev.engine == "llama.cpp":
+        from speculators_train.verify.engine import run_llamacpp
+
+        del target  # llama.cpp runs the target from here on; free the transformers copy
+        records = run_llamacpp(recipe, suites, loaded.path, out_dir)
+        write_outputs(out_dir, records)
+        return out_dir, records
     shape, k, tree = shape_of(recipe, loaded)
     total = 2 * sum(len(s.prompts) for s in suites) * len(ev.temperatures)
     records = []
@@ -145,7 +152,7 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
         for suite in suites:
             max_new = ev.max_new_tokens or suite.config.max_new_tokens
             for temperature in ev.temperatures:
-                sampling = Sampling(temperature, ev.top_p)
+                sampling = Sampling(temperature, ev.top_p, ev.draft_sampling)
                 proposer = loaded.family.proposer(loaded.draft, target)
                 decoder = SpeculativeDecoder(target, proposer, sampling, k, tree)
                 warm_up(target, decoder, suite)
@@ -157,6 +164,7 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
                 record["draft"] = str(draft_path)
                 record["checkpoint"] = str(loaded.path)
                 record["max_new_tokens"] = max_new
+                record["draft_sampling"] = ev.draft_sampling
                 record["device"] = str(target.model.device)
                 records.append(record)
     write_outputs(out_dir, records)

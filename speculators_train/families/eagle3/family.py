@@ -10,12 +10,13 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from speculators_train.families.base import Family, Layout
 from speculators_train.families.eagle3.formats import SGLangLayout, SpeculatorsLayout
+from speculators_train.families.eagle3.gguf import GGUFLayout
 from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.eagle3.objective import Eagle3Objective
 from speculators_train.families.eagle3.proposer import Eagle3Proposer
 from speculators_train.families.eagle3.settings import Settings
 from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
-from speculators_train.target import StateSpec, Target, TargetHead
+from speculators_train.target import OFFSET_NORM_TYPES, StateSpec, Target, TargetHead
 
 
 class Eagle3Family(Family):
@@ -27,7 +28,11 @@ class Eagle3Family(Family):
     draft_type = Eagle3Draft
     config_type = Eagle3Config
     not_saved = ("embed_tokens.weight",)  # the target's, frozen and large: restored from the target
-    layouts: ClassVar[dict[str, Layout]] = {"speculators": SpeculatorsLayout(), "sglang": SGLangLayout()}
+    layouts: ClassVar[dict[str, Layout]] = {
+        "speculators": SpeculatorsLayout(),
+        "sglang": SGLangLayout(),
+        "gguf": GGUFLayout(),
+    }
 
     def new_draft(
         self,
@@ -46,7 +51,9 @@ class Eagle3Family(Family):
             draft.d2t.copy_(d2t)
             draft.t2d.copy_(t2d)
             draft.lm_head.weight.copy_(head["lm_head"][draft_to_target(d2t)])
-            draft.norm.weight.copy_(head["norm"])
+            # Gemma stores its final norm weight as an offset from 1; the draft's Llama norm multiplies by w.
+            offset = 1.0 if target_config.get_text_config().model_type in OFFSET_NORM_TYPES else 0.0
+            draft.norm.weight.copy_(head["norm"] + offset)
         return draft
 
     def states(self, config: Eagle3Config) -> StateSpec:

@@ -16,13 +16,19 @@ class Settings(FamilySettings):
     step_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of step i is step_decay**i.")
     norm_before_residual: bool = Field(False, description="SGLang only runs false.")
 
-    formats: ClassVar[tuple[str, ...]] = ("speculators", "sglang")
+    formats: ClassVar[tuple[str, ...]] = ("speculators", "sglang", "gguf")
 
     def recipe_problems(self, recipe: Any) -> list[str]:
         problems = []
         if recipe.data.max_length <= self.ttt_steps + 1:
             problems.append(
                 f"data.max_length ({recipe.data.max_length}) must exceed draft.ttt_steps + 1 ({self.ttt_steps + 1})"
+            )
+        ids = recipe.target.aux_layer_ids
+        if ids is not None and len(ids) != 3:
+            problems.append(
+                f"target.aux_layer_ids {ids}: an EAGLE-3 draft reads exactly 3 target states (vLLM, SGLang and "
+                "llama.cpp build its fc 3 x hidden wide); give 3 ids"
             )
         if recipe.export.format == "sglang" and self.norm_before_residual:
             problems.append(

@@ -1,0 +1,56 @@
+"""The llama.cpp layout of an EAGLE-3 draft: `draft.gguf`, which `llama-server` loads next to the target's GGUF.
+
+    <out>/draft.gguf    arch `eagle3`: the draft layer, fc, norm, lm_head, d2t as absolute target ids (llama.cpp's
+                        own converter writes it from the speculators files beside it)
+    <out>/config.json, model.safetensors, tokenizer files: the speculators layout it was converted from, which
+                        every stage here reads back
+
+What llama.cpp does with it (SPEC.md section 10), and why the writer refuses some drafts:
+- it reads the aux layer ids from the top-level `eagle_aux_hidden_state_layer_ids`, as vLLM counts them, and
+  needs exactly 3 (its fc takes 3 target states);
+- `--spec-type draft-eagle3` must be passed: the type is not detected from the file;
+- it drafts the argmax, chain only.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from speculators_train.engines import llamacpp
+from speculators_train.families.eagle3.formats import SpeculatorsLayout
+from speculators_train.families.eagle3.model import Eagle3Draft
+
+DRAFT_FILE = "draft.gguf"
+OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def server_command(target: str, draft: str, k: int) -> list[str]:
+    """llama-server's arguments for this draft at K draft tokens per step (greedy drafting, every step full)."""
+    return [
+        "-m", target, "-md", draft, "--spec-type", "draft-eagle3",
+        "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
+    ]  # fmt: skip
+
+
+class GGUFLayout(SpeculatorsLayout):
+    name = "gguf"
+    engines = "llama.cpp (`llama-server --spec-type draft-eagle3`)"
+    target_file = True
+
+    def detect(self, config: dict[str, Any]) -> bool:
+        return False  # the directory's config.json is the speculators one, read back as that layout
+
+    def unsupported(self, draft: Eagle3Draft) -> list[str]:
+        ids = draft.config.aux_layer_ids
+        if len(ids) != 3:
+            return [f"llama.cpp's EAGLE-3 fc takes exactly 3 target states; this draft reads {len(ids)} ({ids})"]
+        return []
+
+    def finish(self, out: Path, target_dir: Path, dtype: str) -> None:
+        llamacpp.convert(out, out / DRAFT_FILE, OUTTYPES[dtype], target_dir=target_dir)
+
+    def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
+        args = server_command(verifier, str(out / DRAFT_FILE), k)
+        return [f"llama-server {shlex.join(args)}"]

