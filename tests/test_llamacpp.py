@@ -157,6 +157,7 @@ def test_llamacpp_refuses_nothing_we_export_and_we_refuse_what_it_would_run_wron
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first run on a machine builds llama.cpp (10-20 minutes on 2 cores)
 def test_llamacpp_with_our_draft_gives_its_own_target_only_output_on_an_unquantized_target(tmp_path, target, fitted):
     """Built once from source (cached); on the F32 target llama.cpp's greedy output must not change with the
     draft, and the draft fitted to this reply must be accepted."""
