@@ -184,9 +184,9 @@ class LlamaCppConfig(Section):
 
     targets: list[Literal["gguf", "f32"]] = Field(
         default_factory=lambda: ["gguf", "f32"],
-        description="gguf: the GGUF file the recipe's target names, as served (quantized kernels: greedy output "
-        "may fork with the verify width, so the first divergence is reported); f32: an unquantized GGUF made once "
-        "from the dequantised weights, where outputs must be identical.",
+        description="gguf: the GGUF file the recipe's target names, as served; f32: an unquantized GGUF made once "
+        "from the dequantised weights. llama.cpp's greedy output can fork with the verify batch width (often on "
+        "quantized kernels, at near-ties on f32): each record gives the first divergence.",
     )
     speculative_tokens: list[int] = Field(
         default_factory=lambda: [1, 2, 3, 4, 5, 6, 7], description="K values run with the draft (one server each)."

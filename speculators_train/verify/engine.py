@@ -49,8 +49,8 @@ def target_files(recipe: Recipe) -> dict[str, Path]:
 
 def f32_gguf(hf_dir: Path) -> Path:
     """An unquantized GGUF of the target as transformers holds it (for a GGUF target: its dequantised weights),
-    made once by llama.cpp's converter. On it llama.cpp's kernels do not change rounding with batch width, so a
-    speculative output must equal the target-only one exactly."""
+    made once by llama.cpp's converter. Its kernels round the same at every batch width except at near-ties, so
+    speculative outputs equal target-only ones (the quantized kernels fork often)."""
     out = cache_root() / "llama.cpp-targets" / f"{hf_dir.name}-f32.gguf"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
