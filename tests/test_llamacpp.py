@@ -13,7 +13,7 @@ from speculators_train.errors import UserError
 from speculators_train.export.run import export
 from speculators_train.families import get
 from speculators_train.families.drafts import load_draft
-from speculators_train.families.eagle3.gguf import server_command
+from speculators_train.families.eagle3.gguf import draft_args
 from speculators_train.families.vocab import draft_to_target
 from speculators_train.recipe import load_recipe
 from speculators_train.target import TargetHead, resolve_source
@@ -164,7 +164,7 @@ def test_llamacpp_with_our_draft_gives_its_own_target_only_output_on_an_unquanti
     recipe, checkpoint, prompt, _ = fitted
     out = export(recipe, checkpoint, "gguf", tmp_path / "gguf", dtype="float32").path
     target_gguf = f32_gguf(Path(resolve_source(recipe.target)[0]))
-    args = server_command(str(target_gguf), str(out / "draft.gguf"), 3)[2:]
+    args = draft_args(str(out / "draft.gguf"), 3)
     with (
         llamacpp.Server(target_gguf, [], tmp_path / "base.log") as base,
         llamacpp.Server(target_gguf, args, tmp_path / "spec.log") as spec,

@@ -21,10 +21,10 @@ from tqdm import tqdm
 from speculators_train.engines import llamacpp
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
-from speculators_train.families.eagle3.gguf import DRAFT_FILE, server_command
+from speculators_train.families.eagle3.gguf import DRAFT_FILE, draft_args
 from speculators_train.recipe import Recipe
 from speculators_train.target import cache_root, gguf_file, resolve_source
-from speculators_train.verify.report import _quartiles
+from speculators_train.verify.report import quartiles
 from speculators_train.verify.suites import Suite
 
 ENGINE = "llama.cpp"
@@ -109,7 +109,7 @@ def record(
         "target_only_tokens_per_s": base_rate,
         "speculative_tokens_per_s": spec_rate,
         "speedup": spec_rate / base_rate,
-        "per_prompt_speedup_quartiles": _quartiles(
+        "per_prompt_speedup_quartiles": quartiles(
             [
                 (len(s.tokens) / (s.seconds + s.prompt_seconds)) / (len(b.tokens) / (b.seconds + b.prompt_seconds))
                 for s, b in zip(spec, base, strict=True)
@@ -132,10 +132,7 @@ def settings(recipe: Recipe, draft_gguf: Path | None) -> list[tuple[str, int | N
     cfg = recipe.eval.llama_cpp
     out: list[tuple[str, int | None, list[str]]] = []
     if draft_gguf is not None:
-        for k in cfg.speculative_tokens:
-            args = server_command("", str(draft_gguf), k)[2:]  # without "-m <target>"
-            args[args.index("--spec-draft-p-min") + 1] = str(cfg.draft_p_min)
-            out.append(("eagle3", k, args))
+        out += [("eagle3", k, draft_args(str(draft_gguf), k, cfg.draft_p_min)) for k in cfg.speculative_tokens]
     out += [(name, None, ["--spec-type", name]) for name in cfg.baselines]
     return out
 

@@ -31,7 +31,7 @@ def acceptance(accepted: list[int], k: int) -> dict[str, Any]:
     }
 
 
-def _quartiles(values: list[float]) -> list[float]:
+def quartiles(values: list[float]) -> list[float]:
     if len(values) < 2:
         return values * 3
     return statistics.quantiles(values, n=4, method="inclusive")
@@ -74,7 +74,7 @@ def score(
         "target_only_tokens_per_s": base_rate,
         "speculative_tokens_per_s": spec_rate,
         "speedup": spec_rate / base_rate,
-        "per_prompt_speedup_quartiles": _quartiles(
+        "per_prompt_speedup_quartiles": quartiles(
             [
                 (len(g.tokens) / g.seconds) / (len(b.tokens) / b.seconds)
                 for g, b in zip(speculative, baseline, strict=True)

@@ -26,11 +26,11 @@ DRAFT_FILE = "draft.gguf"
 OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
-def server_command(target: str, draft: str, k: int) -> list[str]:
-    """llama-server's arguments for this draft at K draft tokens per step (greedy drafting, every step full)."""
+def draft_args(draft: str, k: int, p_min: float = 0.0) -> list[str]:
+    """llama-server's arguments for this draft at K draft tokens per step (p_min 0: every step drafts all K)."""
     return [
-        "-m", target, "-md", draft, "--spec-type", "draft-eagle3",
-        "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
+        "-md", draft, "--spec-type", "draft-eagle3",
+        "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", f"{p_min:g}",
     ]  # fmt: skip
 
 
@@ -52,5 +52,4 @@ class GGUFLayout(SpeculatorsLayout):
         llamacpp.convert(out, out / DRAFT_FILE, OUTTYPES[dtype], target_dir=target_dir)
 
     def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
-        args = server_command(verifier, str(out / DRAFT_FILE), k)
-        return [f"llama-server {shlex.join(args)}"]
+        return [f"llama-server {shlex.join(['-m', verifier, *draft_args(str(out / DRAFT_FILE), k)])}"]
