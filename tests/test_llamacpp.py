@@ -48,7 +48,7 @@ def test_a_record_counts_acceptance_and_identity_as_llamacpp_reports_them(tmp_pa
         Completion([5, 6, 7, 9], 1.0, 0.1, drafted=2, accepted=0, steps=1, accepted_per_position=[0, 0]),
     ]
     base = [Completion(list(range(10)), 2.0, 0.1), Completion([5, 6, 7, 8], 2.0, 0.1)]
-    r = record("s", "f32", tmp_path / "t.gguf", "eagle3", 2, spec, base)
+    r = record("s", "f32", tmp_path / "t.gguf", "draft", 2, spec, base)
     assert r["acceptance_length"] == pytest.approx(1 + 5 / 5)
     assert r["per_position_acceptance"] == [pytest.approx(3 / 5), pytest.approx(2 / 5)]
     assert r["draft_acceptance_rate"] == pytest.approx(5 / 10)
@@ -66,8 +66,8 @@ def test_each_setting_passes_the_flags_llamacpp_needs(tmp_path):
             eval={"llama_cpp": {"speculative_tokens": [3], "draft_p_min": 0.2, "baselines": ["ngram-mod"]}},
         )
     )
-    (eagle, k, args), (ngram, none, ngram_args) = settings(recipe, tmp_path / "draft.gguf")
-    assert (eagle, k, ngram, none) == ("eagle3", 3, "ngram-mod", None)
+    (draft, k, args), (ngram, none, ngram_args) = settings(recipe, get("eagle3").layouts["gguf"], tmp_path)
+    assert (draft, k, ngram, none) == ("draft", 3, "ngram-mod", None)
     flags = dict(zip(args[::2], args[1::2], strict=True))
     assert flags["-md"] == str(tmp_path / "draft.gguf")
     assert flags["--spec-type"] == "draft-eagle3"  # not detected from the file

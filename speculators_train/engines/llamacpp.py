@@ -220,7 +220,7 @@ def convert(model_dir: Path, out: Path, outtype: str = "f32", target_dir: Path |
     cmd = [sys.executable, str(script), str(model_dir), "--outfile", str(tmp), "--outtype", outtype]
     if target_dir is not None:
         cmd += ["--target-model-dir", str(target_dir)]
-    # The converter must use its own gguf-py (it knows the eagle3 arch), not the `gguf` package installed here.
+    # The converter must use its own gguf-py (it knows the EAGLE-3 arch), not the `gguf` package installed here.
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:

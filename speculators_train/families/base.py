@@ -71,6 +71,11 @@ class Layout(ABC):
         """Why the engine would run this draft differently from how it was trained (empty when it would not)."""
         return []
 
+    def server_args(self, out: Path, k: int, p_min: float) -> list[str]:
+        """For a `target_file` layout: the engine's arguments that load the export at `out` beside the target, at
+        `k` draft tokens per step, stopping a draft below probability `p_min`."""
+        raise NotImplementedError(f"the {self.name} layout is not served beside a target file")
+
     def finish(self, out: Path, target_dir: Path, dtype: str) -> None:
         """Add the engine's own files to the written export at `out` (config.json, model.safetensors and the
         tokenizer are there; `target_dir` is the target as an HF directory), for engines that read another format."""

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from speculators_train.engines import llamacpp
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
-from speculators_train.families.eagle3.gguf import DRAFT_FILE, draft_args
+from speculators_train.families.base import Layout, LoadedDraft
 from speculators_train.recipe import Recipe
 from speculators_train.target import cache_root, gguf_file, resolve_source
 from speculators_train.verify.report import quartiles
@@ -127,28 +127,39 @@ def record(
     }
 
 
-def settings(recipe: Recipe, draft_gguf: Path | None) -> list[tuple[str, int | None, list[str]]]:
-    """(method, K, llama-server arguments beyond the target) for each speculative run."""
+def served_layout(loaded: LoadedDraft) -> Layout:
+    """The draft family's layout that llama.cpp serves beside the target's GGUF file."""
+    for layout in loaded.family.layouts.values():
+        if layout.target_file:
+            return layout
+    raise UserError(
+        f"{loaded.path}: llama.cpp has no runtime for {loaded.family.title}s; verify it with --engine native"
+    )
+
+
+def settings(recipe: Recipe, layout: Layout | None, export_dir: Path | None) -> list[tuple[str, int | None, list[str]]]:
+    """(method, K, llama-server arguments beyond the target) for each speculative run: the draft exported at
+    `export_dir` in `layout` (none: only the draftless methods), then llama.cpp's n-gram methods."""
     cfg = recipe.eval.llama_cpp
     out: list[tuple[str, int | None, list[str]]] = []
-    if draft_gguf is not None:
-        out += [("eagle3", k, draft_args(str(draft_gguf), k, cfg.draft_p_min)) for k in cfg.speculative_tokens]
+    if layout is not None and export_dir is not None:
+        out += [("draft", k, layout.server_args(export_dir, k, cfg.draft_p_min)) for k in cfg.speculative_tokens]
     out += [(name, None, ["--spec-type", name]) for name in cfg.baselines]
     return out
 
 
-def export_draft(recipe: Recipe, draft_path: Path, out_dir: Path) -> Path:
-    """The draft as llama.cpp loads it, in float32 (the precision it was measured at here)."""
-    exported = export(recipe, draft_path, fmt="gguf", out=out_dir / "draft-gguf", dtype="float32", force=True)
-    return exported.path / DRAFT_FILE
-
-
-def run_llamacpp(recipe: Recipe, suites: list[Suite], draft_path: Path | None, out_dir: Path) -> list[dict[str, Any]]:
-    """Every (target file, suite, setting) record; `draft_path` None runs only the draftless baselines."""
+def run_llamacpp(
+    recipe: Recipe, suites: list[Suite], loaded: LoadedDraft | None, out_dir: Path
+) -> list[dict[str, Any]]:
+    """Every (target file, suite, setting) record; without a draft only the draftless methods run. The draft is
+    exported in float32, the precision it is measured at natively."""
     cfg = recipe.eval.llama_cpp
     llamacpp.ensure_built()
-    draft_gguf = export_draft(recipe, draft_path, out_dir) if draft_path is not None else None
-    runs = settings(recipe, draft_gguf)
+    layout, exported = None, None
+    if loaded is not None:
+        layout = served_layout(loaded)
+        exported = export(recipe, loaded.path, layout.name, out_dir / "draft-export", "float32", force=True).path
+    runs = settings(recipe, layout, exported)
     files = target_files(recipe)
     total = sum(len(s.prompts) for s in suites) * len(runs) * 2 * len(files)
     records = []
@@ -173,8 +184,8 @@ def run_llamacpp(recipe: Recipe, suites: list[Suite], draft_path: Path | None, o
                                 bar.update(2)
                             r = record(suite.config.name, target_name, file, method, k, spec, baseline)
                             r["max_new_tokens"] = max_new
-                            r["draft"] = str(draft_gguf) if method == "eagle3" else None
-                            r["checkpoint"] = str(draft_path) if method == "eagle3" else None
+                            r["draft"] = str(exported) if method == "draft" else None
+                            r["checkpoint"] = str(loaded.path) if loaded is not None and method == "draft" else None
                             r["device"] = f"cpu, {base_server.threads} threads"
                             r["llama_cpp_version"] = llamacpp.version()
                             records.append(r)

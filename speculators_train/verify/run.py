@@ -141,7 +141,7 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
         from speculators_train.verify.engine import run_llamacpp
 
         del target  # llama.cpp runs the target from here on; free the transformers copy
-        records = run_llamacpp(recipe, suites, loaded.path, out_dir)
+        records = run_llamacpp(recipe, suites, loaded, out_dir)
         write_outputs(out_dir, records)
         return out_dir, records
     shape, k, tree = shape_of(recipe, loaded)

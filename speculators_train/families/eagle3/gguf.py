@@ -51,5 +51,8 @@ class GGUFLayout(SpeculatorsLayout):
     def finish(self, out: Path, target_dir: Path, dtype: str) -> None:
         llamacpp.convert(out, out / DRAFT_FILE, OUTTYPES[dtype], target_dir=target_dir)
 
+    def server_args(self, out: Path, k: int, p_min: float) -> list[str]:
+        return draft_args(str(out / DRAFT_FILE), k, p_min)
+
     def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
-        return [f"llama-server {shlex.join(['-m', verifier, *draft_args(str(out / DRAFT_FILE), k)])}"]
+        return [f"llama-server {shlex.join(['-m', verifier, *self.server_args(out, k, 0.0)])}"]
