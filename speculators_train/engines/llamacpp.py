@@ -90,11 +90,11 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _run(cmd: list[str], logfile: Path, what: str, cwd: Path | None = None) -> None:
+def _run(cmd: list[str], logfile: Path, what: str) -> None:
     with open(logfile, "a") as out:
         out.write(f"$ {' '.join(cmd)}\n")
         out.flush()
-        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
+        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT)
     if code != 0:
         tail = "\n".join(logfile.read_text(errors="replace").splitlines()[-15:])
         raise UserError(f"llama.cpp: {what} failed (exit {code}); full log in {logfile}:\n{tail}")
