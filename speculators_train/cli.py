@@ -10,10 +10,11 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
 from speculators_train.data.conversations import SkipReport
-from speculators_train.errors import UserError
+from speculators_train.errors import UserError, os_error
 from speculators_train.recipe import Recipe, load_recipe
 from speculators_train.schema import parse_overrides
 
@@ -146,7 +147,8 @@ def cmd_osd(args: argparse.Namespace) -> int:
     """Ingest production logs exactly once; unless --ingest-only, score, distil and promote (polling with --watch)."""
     import time
 
-    from speculators_train.osd.ingest import IngestStats, LogIngestor, Redactor
+    from speculators_train.osd.ingest import IngestStats, LogIngestor
+    from speculators_train.osd.redact import Redactor
 
     recipe = _recipe(args)
     cfg = recipe.osd
@@ -236,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _error(message: str) -> None:
+    """The one line a refused command prints: never folded at the console's width (a log or a pipe keeps it whole),
+    and the message's own brackets are text, not markup."""
+    console.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -250,7 +258,12 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as exc:
         if args.verbose:
             raise
-        console.print(f"[bold red]error:[/bold red] {exc}", highlight=False, markup=True)
+        _error(str(exc))
+        code = 2
+    except OSError as exc:  # the machine, not the code: a full disk, a permission, a file where a folder belongs
+        if args.verbose:
+            raise
+        _error(os_error(exc))
         code = 2
     except KeyboardInterrupt:
         console.print("interrupted: rerun the same command to resume")

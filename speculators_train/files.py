@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,27 +27,51 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
+# A write that fails while its filesystem has less than this free is reported as a full disk: torch and safetensors
+# raise their own exception types on ENOSPC (RuntimeError, SafetensorError), not always an OSError.
+FULL_DISK_BYTES = 64 << 20
+
+
+def _disk_full(exc: BaseException, path: Path) -> bool:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left on device" in str(exc):
+        return True
+    directory = next((p for p in (path, *path.parents) if p.is_dir()), None)
+    return directory is not None and shutil.disk_usage(directory).free < FULL_DISK_BYTES
+
+
+@contextlib.contextmanager
+def writing(path: Path, cleanup: Path | None = None) -> Iterator[None]:
+    """Run a write of `path`; a full disk becomes a one-line `UserError` (after removing the half-written
+    `cleanup` file or directory), any other failure propagates."""
+    try:
+        yield
+    except Exception as exc:
+        if cleanup is not None:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(cleanup) if cleanup.is_dir() else cleanup.unlink(missing_ok=True)
+        if not _disk_full(exc, Path(path)):
+            raise
+        directory = next((p for p in (Path(path), *Path(path).parents) if p.is_dir()), Path("."))
+        free = shutil.disk_usage(directory).free
+        raise UserError(
+            f"disk full while writing {path} ({free} bytes free); everything written before is intact: "
+            "free space and rerun the same command to resume"
+        ) from None
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary sibling, fsync, then rename over `path` (readers see old or new, never half)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with writing(path, cleanup=tmp):
         with open(tmp, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            free = shutil.disk_usage(path.parent).free
-            raise UserError(
-                f"disk full while writing {path} ({len(data)} bytes needed, {free} free); "
-                "everything written before is intact: free space and rerun the same command to resume"
-            ) from exc
-        raise
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -61,13 +86,3 @@ def remove_stale_temporaries(directory: Path) -> int:
             tmp.unlink(missing_ok=True)
             removed += 1
     return removed
-
-
-def read_json(path: Path, what: str) -> Any:
-    """Parse a JSON file we wrote earlier; damage (a hand edit, a disk fault) gets a message naming it."""
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: {what} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: {what} is not valid JSON ({exc}); delete it to start that part over") from None

@@ -244,7 +244,9 @@ class OSDConfig(Section):
 
     logs: str | None = Field(None, description="Directory of JSONL logs (the --logs option overrides it).")
     redact: list[str] = Field(default_factory=list, description="Regexes replaced by [REDACTED] before storing.")
-    redact_builtin: bool = Field(True, description="Also redact emails, API keys and bearer tokens.")
+    redact_builtin: bool = Field(
+        True, description="Also apply the built-in rules (e-mails, keys, tokens, passwords: osd/ingest.py RULES)."
+    )
     redact_hook: str | None = Field(None, description="'module:function' (str -> str) run after the regexes.")
     commit_every: int = Field(256, gt=0, description="Log lines per ingestion commit (the unit redone after a kill).")
     poll_seconds: float = Field(30.0, gt=0, description="Pause between passes with --watch.")
@@ -298,6 +300,9 @@ class Recipe(Section):
             raise ValueError("name must be a non-empty string without '/'")
         draft, name = self.draft, self.draft.family
         problems = []
+        blocker = next((p for p in (self.run_dir, *self.run_dir.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            problems.append(f"output_dir {str(self.run_dir)!r}: {blocker} is a file, the run needs a directory there")
         if self.export.format not in draft.formats:
             problems.append(f"export.format {self.export.format!r}: the {name} family writes {list(draft.formats)}")
         if self.eval.tree.shape not in draft.tree_shapes:

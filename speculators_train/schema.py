@@ -8,24 +8,26 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import reprlib
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import yaml
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
 
 from speculators_train.errors import UserError
+from speculators_train.loading import parse_yaml, read_yaml
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
 M = TypeVar("M", bound="Section")
 
 
 class Section(BaseModel):
-    """Base for every section of a YAML file: unknown keys are errors, never silently ignored."""
+    """Base for every section of a YAML file: unknown keys are errors, never silently ignored, and values are taken
+    as written (strict): `batch_size: true` or `seed: "0"` is refused rather than read as 1 or 0."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     # Where the YAML came from, for error messages and relative paths; not a key of the file.
     _source_path: Path | None = PrivateAttr(None)
@@ -52,8 +54,11 @@ class Section(BaseModel):
         for candidate in candidates:
             if candidate.is_dir() if directory else candidate.is_file():
                 return candidate
-        tried = ", ".join(str(c) for c in candidates)
         what = "directory" if directory else "file"
+        other = next((c for c in candidates if c.exists()), None)
+        if other is not None:
+            raise UserError(f"{self.source_path}: {key}: {other} is not a {what}")
+        tried = ", ".join(str(c) for c in candidates)
         raise UserError(f"{self.source_path}: {key}: {what} {value!r} not found (tried {tried})")
 
 
@@ -122,20 +127,22 @@ def _format_error(path: Path, error: dict[str, Any], model: type[BaseModel], mov
         tag_key = error["ctx"]["discriminator"].strip("'")
         got = "is missing" if kind == "union_tag_not_found" else f"{error['ctx']['tag']!r} is not registered"
         return f"{path}: {key}.{tag_key}: {got} (one of {tags})"
-    return f"{path}: {key}: {error['msg']} (got {error.get('input')!r})"
+    return f"{path}: {key}: {error['msg']} (got {_short_repr(error.get('input'))})"
+
+
+def _short_repr(value: Any) -> str:
+    """A bounded repr of what the file held: a huge or deeply shared value never floods (or hangs) the message."""
+    limits = reprlib.Repr()
+    limits.maxlevel, limits.maxstring, limits.maxother, limits.maxlist, limits.maxdict = 2, 60, 60, 6, 6
+    return limits.repr(value)
 
 
 def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
     """A YAML file that must hold a mapping; a syntax error names the line and column."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{what} {path} not found")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        raise UserError(f"{path}{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+        raise UserError(f"{what} {path} not found" if not path.exists() else f"{what} {path} is not a file")
+    raw = read_yaml(path, what)
     if not isinstance(raw, dict):
         raise UserError(f"{path}: a {what} must be a YAML mapping, got {type(raw).__name__}")
     return raw
@@ -180,5 +187,5 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise UserError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set data.max_length=512")
-        out[key] = yaml.safe_load(value)
+        out[key] = parse_yaml(value, f"--set {pair!r}")
     return out
