@@ -26,16 +26,18 @@ from speculators_train.data.render import Sample, render_many
 from speculators_train.data.splits import SPLITS, chunk_seed, chunks, data_fingerprint, load_splits
 from speculators_train.distributed import process_state
 from speculators_train.errors import UserError
-from speculators_train.files import atomic_write_bytes, atomic_write_json, read_json, remove_stale_temporaries
+from speculators_train.files import atomic_write_bytes, atomic_write_json, remove_stale_temporaries, sha256_bytes
 from speculators_train.hidden_states.shards import (
     FORMAT,
     MANIFEST,
     TOKEN_FREQ,
     VERSION,
+    check_sha256,
     read_manifest,
     shard_name,
     write_shard,
 )
+from speculators_train.loading import open_tensors, read_json
 from speculators_train.recipe import Recipe, RegenerateConfig
 from speculators_train.runinfo import write_run_info
 from speculators_train.target import DTYPES, StateSpec, Target, load_target
@@ -238,8 +240,6 @@ def _store(progress: Progress, split: str, path: Path, result: ChunkResult) -> N
 
 def _finalize(out_dir: Path, identity: dict[str, Any], splits: Splits, world: int) -> dict[str, Any]:
     """Merge the ranks' progress into manifest.json and count loss-masked token frequencies."""
-    from safetensors import safe_open
-
     skips = SkipReport()
     skips.merge(splits.report)
     manifest_splits = {}
@@ -252,7 +252,9 @@ def _finalize(out_dir: Path, identity: dict[str, Any], splits: Splits, world: in
                 skips.merge(SkipReport.from_dict(entry.pop("skips")))
                 shards.append(entry)
                 if split == "train" and entry["num_samples"]:
-                    with safe_open(out_dir / split / entry["file"], framework="pt") as fh:
+                    path = out_dir / split / entry["file"]
+                    check_sha256(path, entry["sha256"])
+                    with open_tensors(path, "hidden-state shard") as fh:
                         ids, mask = fh.get_tensor("input_ids"), fh.get_tensor("loss_mask")
                     freq += torch.bincount(ids[mask], minlength=len(freq))
         manifest_splits[split] = {
@@ -262,7 +264,8 @@ def _finalize(out_dir: Path, identity: dict[str, Any], splits: Splits, world: in
             "loss_tokens": sum(e["num_loss_tokens"] for e in shards),
             "shards": shards,
         }
-    atomic_write_bytes(out_dir / TOKEN_FREQ, save({"token_freq": freq}))
+    freq_bytes = save({"token_freq": freq})
+    atomic_write_bytes(out_dir / TOKEN_FREQ, freq_bytes)
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -271,6 +274,7 @@ def _finalize(out_dir: Path, identity: dict[str, Any], splits: Splits, world: in
         "splits": manifest_splits,
         "skips": skips.to_dict(),
         "token_freq": TOKEN_FREQ,
+        "token_freq_sha256": sha256_bytes(freq_bytes),
     }
     atomic_write_json(out_dir / MANIFEST, manifest)
     return manifest

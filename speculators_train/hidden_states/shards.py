@@ -1,5 +1,9 @@
 """On-disk format of generated hidden states: safetensors shards plus a JSON manifest.
 
+The manifest holds each shard's sha256. A reader checks a shard's hash the first time it touches the shard (one
+sequential read, after which the memory-mapped slices come from the page cache), so a flipped byte anywhere is
+refused before a single sample of that shard is used, and `train` pays the hash once per shard per process.
+
 A shard packs several samples end to end (tokens of all samples concatenated, `offsets` marks where
 each begins), so reading one sample is a slice of a memory-mapped file:
 
@@ -19,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save
 
 from speculators_train.data.splits import SPLITS
 from speculators_train.errors import UserError
-from speculators_train.files import atomic_write_bytes, read_json, sha256_bytes, sha256_file
+from speculators_train.files import atomic_write_bytes, sha256_bytes, sha256_file
+from speculators_train.loading import open_tensors, read_json, reading
 
 FORMAT = "speculators_train.hidden_states"
 VERSION = 1
@@ -71,15 +75,50 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def read_token_freq(directory: Path, manifest: dict[str, Any]) -> torch.Tensor:
+    """Loss-masked train token counts, checked against the manifest's sha256 where it records one."""
+    path = directory / TOKEN_FREQ
+    if "token_freq_sha256" in manifest:
+        check_sha256(path, manifest["token_freq_sha256"])
+    with open_tensors(path, "token counts") as fh:
+        return fh.get_tensor("token_freq")
+
+
 @dataclass
 class ShardIndex:
     path: Path
     offsets: list[int]
     ids: list[str]
+    sha256: str
+
+
+def _index_problem(offsets: list[int], ids: Any, entry: dict[str, Any]) -> str | None:
+    """What is wrong with a shard's sample index against its manifest entry (None: consistent)."""
+    if not isinstance(ids, list) or len(ids) != entry["num_samples"]:
+        held = len(ids) if isinstance(ids, list) else "no"
+        return f"holds {held} sample ids, the manifest lists {entry['num_samples']}"
+    if len(offsets) != len(ids) + 1 or offsets[0] != 0 or offsets[-1] != entry["num_tokens"]:
+        return "sample offsets do not match the manifest"
+    if any(b <= a for a, b in itertools.pairwise(offsets)):
+        return "sample offsets are not increasing"
+    return None
+
+
+def check_sha256(path: Path, expected: str) -> None:
+    """Refuse a file whose bytes differ from what the generator wrote."""
+    with reading(path, "hidden-state shard"):
+        actual = sha256_file(path)
+    if actual != expected:
+        raise UserError(
+            f"{path}: checksum mismatch (the file changed or is corrupt since it was generated); "
+            "`speculators-train validate` lists every damaged shard: delete them and their manifest, then rerun "
+            "generate"
+        )
 
 
 class HiddenStateShards(torch.utils.data.Dataset):
-    """Samples of one split of a completed generation, read lazily from memory-mapped shards."""
+    """Samples of one split of a completed generation, read lazily from memory-mapped shards, each shard's sha256
+    checked on first use."""
 
     def __init__(self, directory: str | Path, split: str = "train") -> None:
         self.directory = Path(directory)
@@ -89,18 +128,22 @@ class HiddenStateShards(torch.utils.data.Dataset):
         self.shards: list[ShardIndex] = []
         self.index: list[tuple[int, int]] = []
         self.lengths: list[int] = []  # tokens per sample, for length-bucketed batching
+        self.verified: set[int] = set()  # shards whose sha256 was checked by this process
         for entry in self.manifest["splits"][split]["shards"]:
             if not entry["num_samples"]:
                 continue
             path = self.directory / split / entry["file"]
             if not path.is_file():
                 raise UserError(f"{path}: listed in {MANIFEST} but missing; run `speculators-train validate`")
-            with safe_open(path, framework="pt") as fh:
+            with open_tensors(path, "hidden-state shard") as fh:
                 offsets = fh.get_tensor("offsets").tolist()
                 ids = json.loads(fh.metadata()["sample_ids"])
+            problem = _index_problem(offsets, ids, entry)
+            if problem:
+                raise UserError(f"{path}: {problem}; run `speculators-train validate`")
             self.index.extend((len(self.shards), i) for i in range(len(ids)))
             self.lengths.extend(b - a for a, b in itertools.pairwise(offsets))
-            self.shards.append(ShardIndex(path, offsets, ids))
+            self.shards.append(ShardIndex(path, offsets, ids, entry["sha256"]))
 
     def __len__(self) -> int:
         return len(self.index)
@@ -108,8 +151,11 @@ class HiddenStateShards(torch.utils.data.Dataset):
     def __getitem__(self, item: int) -> dict[str, Any]:
         shard_no, i = self.index[item]
         shard = self.shards[shard_no]
+        if shard_no not in self.verified:
+            check_sha256(shard.path, shard.sha256)
+            self.verified.add(shard_no)
         start, end = shard.offsets[i], shard.offsets[i + 1]
-        with safe_open(shard.path, framework="pt") as fh:
+        with open_tensors(shard.path, "hidden-state shard") as fh:
             sample = {key: fh.get_slice(key)[start:end] for key in TENSORS[:-1]}
         sample["id"] = shard.ids[i]
         return sample
@@ -136,7 +182,7 @@ def validate(directory: Path) -> list[str]:
             if sha256_file(path) != entry["sha256"]:
                 problems.append(f"{path}: checksum mismatch (file changed or corrupt)")
                 continue
-            with safe_open(path, framework="pt") as fh:
+            with open_tensors(path, "hidden-state shard") as fh:
                 t = {key: fh.get_tensor(key) for key in TENSORS}
             n_tok = t["input_ids"].numel()
             checks = {
@@ -163,8 +209,7 @@ def validate(directory: Path) -> list[str]:
         if not freq_path.is_file():
             problems.append(f"{freq_path}: missing")
         else:
-            with safe_open(freq_path, framework="pt") as fh:
-                freq = fh.get_tensor("token_freq")
+            freq = read_token_freq(directory, manifest)
             if int(freq.sum()) != loss_tokens_train:
                 problems.append(f"{freq_path}: counts {int(freq.sum())} tokens, shards hold {loss_tokens_train}")
     return problems

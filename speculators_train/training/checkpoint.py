@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from speculators_train.errors import UserError
 from speculators_train.families.drafts import read_pointer, save_draft
-from speculators_train.files import atomic_write_json, read_json
+from speculators_train.files import atomic_write_json, writing
+from speculators_train.loading import load_torch_state, read_json_object
 
 
 def save_checkpoint(
@@ -37,10 +37,11 @@ def save_checkpoint(
     final = root / f"step-{step:06d}"
     tmp = root / f".step-{step:06d}.tmp-{os.getpid()}"
     tmp.mkdir(parents=True)
-    save_draft(tmp, draft)
-    if optimizer_state is not None:
-        torch.save(optimizer_state, tmp / "optimizer.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    with writing(final, cleanup=tmp):
+        save_draft(tmp, draft)
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / "optimizer.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
     old = root / f".step-{step:06d}.old-{os.getpid()}"
     if final.exists():
         os.replace(final, old)
@@ -61,11 +62,8 @@ def _prune(root: Path, keep_last: int) -> None:
 
 def load_training_state(path: Path) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """Optimizer/scheduler/RNG state (None if the checkpoint has none) and the trainer's JSON state."""
-    state = read_json(path / "trainer_state.json", "trainer state")
+    state = read_json_object(path / "trainer_state.json", "trainer state")
     optimizer_file = path / "optimizer.pt"
     if not optimizer_file.is_file():
         return None, state
-    try:
-        return torch.load(optimizer_file, map_location="cpu", weights_only=True), state
-    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError for damaged files
-        raise UserError(f"{optimizer_file}: unreadable optimizer state ({exc})") from None
+    return load_torch_state(optimizer_file, "optimizer state"), state

@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from speculators_train.data.render import render_many
 from speculators_train.data.splits import chunk_seed, chunks, data_fingerprint, load_splits
 from speculators_train.errors import UserError
 from speculators_train.hidden_states.generator import process_chunk
-from speculators_train.hidden_states.shards import TOKEN_FREQ, HiddenStateShards, read_manifest
+from speculators_train.hidden_states.shards import HiddenStateShards, read_manifest, read_token_freq
 from speculators_train.recipe import Recipe, RegenerateConfig
 from speculators_train.training.data import collate, epoch_batches
 
@@ -44,8 +43,7 @@ class OfflineSource:
         _check_manifest(recipe, manifest["identity"], directory)
         self.aux_layer_ids = manifest["identity"]["aux_layer_ids"]
         self.data_fingerprint = manifest["identity"]["data_fingerprint"]
-        with safe_open(directory / TOKEN_FREQ, framework="pt") as fh:
-            self.token_freq = fh.get_tensor("token_freq")
+        self.token_freq = read_token_freq(directory, manifest)
         self.train = HiddenStateShards(directory, "train")
         shards = HiddenStateShards(recipe.hidden_states_dir, "held_out")
         # Every rank sees all shards; each validates its own share, read lazily from the shards.

@@ -20,9 +20,10 @@ from tqdm import tqdm
 from speculators_train import families
 from speculators_train.errors import UserError
 from speculators_train.families.base import Family
-from speculators_train.families.drafts import check_fits, latest_checkpoint, load_draft, load_weights
+from speculators_train.families.drafts import check_fits, latest_checkpoint, load_draft, load_weights, read_pointer
 from speculators_train.families.objective import Objective, Sums, predicted_al_key, summarize
-from speculators_train.files import atomic_write_json
+from speculators_train.files import atomic_write_bytes, atomic_write_json
+from speculators_train.loading import reading
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
 from speculators_train.target import TargetHead, load_head_weights, load_target
@@ -134,6 +135,7 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.wandb = None
         self.state = {"step": 0, "epoch": 0, "position": None, "tokens": 0, "best": None, "identity": self.identity}
+        self._saved: str | None = None  # the `_position()` of the last checkpoint written or resumed from
         self._resume()
 
     def _min_across_ranks(self, value: int) -> int:
@@ -165,18 +167,25 @@ class Trainer:
                 f"{path} holds no optimizer state, so it cannot continue exactly; start a new output_dir, "
                 "or delete its checkpoints to retrain"
             )
-        self.draft.load_state_dict(load_weights(path), strict=False)
-        if self.cfg.deepspeed is not None:
-            zero.restore(self.model.optimizer, self._trainable(), optimizer_state["zero"])
-        else:
-            self.optimizer.load_state_dict(optimizer_state["optimizer"])
-        self.scheduler.load_state_dict(optimizer_state["scheduler"])
-        # The scheduler's state does not carry the learning rate it last set (the optimizer's state does, and
-        # the ZeRO state above does not), so set it from the scheduler.
-        for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr
-        torch.set_rng_state(optimizer_state["torch_rng"])
+        weights = load_weights(path)
+        with reading(path, "checkpoint does not fit this run"):  # a damaged or foreign state: one line, no trace
+            self.draft.load_state_dict(weights, strict=False)
+            if self.cfg.deepspeed is not None:
+                zero.restore(self.model.optimizer, self._trainable(), optimizer_state["zero"])
+            else:
+                self.optimizer.load_state_dict(optimizer_state["optimizer"])
+            self.scheduler.load_state_dict(optimizer_state["scheduler"])
+            # The scheduler's state does not carry the learning rate it last set (the optimizer's state does, and
+            # the ZeRO state above does not), so set it from the scheduler.
+            for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+                group["lr"] = lr
+            torch.set_rng_state(optimizer_state["torch_rng"])
         self.state = state
+        self._saved = self._position()
+        # A kill between a checkpoint and its best.json leaves the pointer behind the state that names the best.
+        best = state["best"]
+        if self.acc.is_main_process and best is not None and read_pointer(self.ckpt_dir / "best.json") != best:
+            atomic_write_json(self.ckpt_dir / "best.json", best)
         log.info(
             "resuming from %s (step %d, epoch %d, position %s)", path, state["step"], state["epoch"], state["position"]
         )
@@ -188,6 +197,7 @@ class Trainer:
             optimizer_state["zero"] = zero.gather(self.model.optimizer, self._trainable())  # every rank takes part
         else:
             optimizer_state["optimizer"] = self.optimizer.state_dict()
+        self._saved = self._position()
         if self.acc.is_main_process:
             ckpt.save_checkpoint(
                 self.ckpt_dir, self.state["step"], self.draft, optimizer_state, self.state, self.cfg.keep_last
@@ -198,6 +208,23 @@ class Trainer:
 
     def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(name, p) for name, p in self.draft.named_parameters() if p.requires_grad]
+
+    def _trim_log(self) -> None:
+        """Drop metrics.jsonl lines past the step this run continues from (and a line cut by a kill), so a resumed
+        run's log has each step once: what a killed run logged after its last checkpoint is redone and logged
+        again."""
+        path = self.run_dir / "metrics.jsonl"
+        if not self.acc.is_main_process or not path.is_file():
+            return
+        kept = []
+        for line in path.read_text(errors="replace").splitlines(keepends=True):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if line.endswith("\n") and isinstance(record, dict) and record.get("step", 0) <= self.state["step"]:
+                kept.append(line)
+        atomic_write_bytes(path, "".join(kept).encode())
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.acc.is_main_process:
@@ -231,26 +258,29 @@ class Trainer:
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.acc.device, non_blocking=True) for k, v in batch.items()}
 
-    def _evaluate(self) -> tuple[dict[str, float], bool]:
+    def _evaluate(self) -> bool:
         """Validate on the held-out split; a better predicted acceptance length is checkpointed as the best.
-        Returns the metrics and whether this step was just saved."""
+        Returns whether this step was just saved."""
         metrics = self.validate()
-        self.state["held_out"] = metrics  # saved with the checkpoint (a family may build its tree from them)
+        # Saved with the checkpoint (a family may build its tree from them); the step says they are current.
+        self.state["held_out"], self.state["held_out_step"] = metrics, self.state["step"]
         key = self.al_key
         self._log({"step": self.state["step"], **{f"val/{k}": v for k, v in metrics.items()}})
         best = self.state["best"]
         if best is None or metrics[key] > best["value"]:
             self.state["best"] = {"step": self.state["step"], "metric": key, "value": metrics[key]}
             self._save()
-            return metrics, True
-        return metrics, False
+            return True
+        return False
 
     def train(self) -> dict[str, float]:
-        """Epochs of micro-batches; validate, keep the best and checkpoint at each epoch end and at the budget."""
+        """Epochs of micro-batches; validate, keep the best and checkpoint at each epoch end and at the budget.
+        Returns the held-out metrics of the last step (a rerun of a finished run returns them again)."""
         cfg, state = self.cfg, self.state
         self.wandb = self._init_wandb()
         if self.acc.is_main_process:
             write_run_info(self.run_dir, self.recipe.model_dump(mode="json"))
+        self._trim_log()
         bar = tqdm(
             total=self.total_steps,
             initial=state["step"],
@@ -261,7 +291,6 @@ class Trainer:
         sums: Sums = {}
         losses: list[torch.Tensor] = []
         tokens, started = 0, time.perf_counter()
-        metrics: dict[str, float] = {}
         self.model.train()
         while state["step"] < self.total_steps and state["epoch"] < cfg.epochs:
             finished_epoch = True
@@ -297,10 +326,10 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(tok_s=f"{rate:.0f}", loss=f"{record['loss']:.3f}")
                 losses, tokens, started = [], 0, time.perf_counter()
-                saved = False
                 if cfg.eval_every_steps and state["step"] % cfg.eval_every_steps == 0:
-                    metrics, saved = self._evaluate()
-                if cfg.save_every_steps and state["step"] % cfg.save_every_steps == 0 and not saved:
+                    self._evaluate()
+                due = cfg.save_every_steps and state["step"] % cfg.save_every_steps == 0
+                if due and self._saved != self._position():
                     self._save()
                 if state["step"] >= self.total_steps:
                     finished_epoch = False
@@ -309,13 +338,25 @@ class Trainer:
             if finished_epoch:
                 state["epoch"] += 1
                 state["position"] = None
-            metrics, saved = self._evaluate()
-            if not saved:
-                self._save()
+            self._finish_step()
+        # 4) a run killed after its last checkpoint, before that step's validation, resumes with nothing to train
+        self._finish_step()
         bar.close()
         if self.wandb is not None:
             self.wandb.finish()
-        return metrics
+        return state["held_out"]
+
+    def _finish_step(self) -> None:
+        """Validate the current step unless it was, and checkpoint the state unless it is saved as it stands."""
+        if self.state.get("held_out_step") != self.state["step"]:
+            self._evaluate()
+        if self._saved != self._position():
+            self._save()
+
+    def _position(self) -> str:
+        """Where the run stands (step, data position, last validation): equal positions need no second save."""
+        keys = ("step", "epoch", "position", "held_out_step")
+        return json.dumps({k: self.state.get(k) for k in keys}, sort_keys=True)
 
     def _init_wandb(self):
         return init_wandb(self.recipe, self.run_dir) if self.acc.is_main_process else None

@@ -1,0 +1,206 @@
+"""`train` under kill -9 at its crash windows, on damaged shards and checkpoints, and on a full disk.
+
+A kill is driven by events (the Nth os.replace / os.fsync / validation / metrics line of the run), never by a
+timer, so the same window is hit on any machine. After the kills a plain rerun must finish with the loss curve of
+an uninterrupted run, one metrics line per step and validation, held-out metrics, and best.json.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from speculators_train.hidden_states.generator import generate
+from speculators_train.recipe import load_recipe
+
+from ..conftest import SHAREGPT, make_recipe
+from .conftest import clean_error, crash_windows, event_labels, run_cli, run_killed
+
+pytestmark = pytest.mark.slow
+
+TRAIN = {
+    "epochs": 2,
+    "batch_size": 4,
+    "learning_rate": 3e-3,
+    "warmup_ratio": 0.0,
+    "log_every_steps": 1,
+    "save_every_steps": 2,
+    "eval_every_steps": 5,
+    "keep_last": 1,
+    "wandb": {"mode": "disabled"},
+}
+DRAFT = {"family": "eagle3", "draft_vocab_size": 512, "ttt_steps": 2}
+# Besides every os.replace and os.fsync: a validation, and a metrics line about to be appended.
+EVENTS = ["speculators_train.training.trainer:Trainer._evaluate", "speculators_train.training.trainer:Trainer._log"]
+
+
+@pytest.fixture(scope="module")
+def states(tmp_path_factory, target):
+    tmp = tmp_path_factory.mktemp("states")
+    recipe = load_recipe(make_recipe(tmp, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 16}]))
+    generate(recipe)
+    return recipe.hidden_states_dir
+
+
+def run_dir(tmp_path: Path, states: Path, **training) -> Path:
+    recipe = make_recipe(
+        tmp_path,
+        [{"name": "sharegpt", "path": SHAREGPT, "max_records": 16}],
+        training={**TRAIN, **training},
+        draft=DRAFT,
+    )
+    shutil.copytree(states, tmp_path / "run" / "hidden_states")
+    return recipe
+
+
+def records(tmp_path: Path) -> list[dict]:
+    return [json.loads(x) for x in (tmp_path / "run" / "train" / "metrics.jsonl").read_text().splitlines()]
+
+
+def curve(tmp_path: Path) -> dict[tuple[str, int], float]:
+    """(kind, step) -> loss or predicted AL, asserting each step is logged once per kind."""
+    seen = Counter(("val" if any(k.startswith("val/") for k in r) else "train", r["step"]) for r in records(tmp_path))
+    assert max(seen.values()) == 1, f"metrics lines repeated: {[k for k, n in seen.items() if n > 1]}"
+    out = {}
+    for r in records(tmp_path):
+        if "loss" in r:
+            out[("train", r["step"])] = r["loss"]
+        else:
+            out[("val", r["step"])] = next(v for k, v in r.items() if k.startswith("val/predicted_al"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, states):
+    """An uninterrupted run: its curve, best.json and the events it passes through."""
+    tmp = tmp_path_factory.mktemp("reference")
+    labels = event_labels(["train", run_dir(tmp, states)], EVENTS)
+    return curve(tmp), (tmp / "run" / "train" / "checkpoints" / "best.json").read_text(), labels
+
+
+def test_kill_at_each_crash_window_resumes_to_the_same_curve(tmp_path, states, reference, capsys):
+    """SIGKILL at one event of the run (each kind of event once, and every event of the final save and
+    validation; every event with SPECULATORS_TRAIN_CRASH_SWEEP=all), then the same command: it finishes on the
+    uninterrupted curve, with one metrics line per step and validation, and the same best checkpoint."""
+    expected, best, labels = reference
+    recipe = run_dir(tmp_path, states)
+    for die_at in crash_windows(labels, tail=8):
+        shutil.rmtree(tmp_path / "run" / "train", ignore_errors=True)
+        code, _ = run_killed(die_at, ["train", recipe], EVENTS)
+        where = f"killed at event {die_at} of {len(labels)} ({labels[die_at - 1]})"
+        assert code == -signal.SIGKILL, f"{where}: the run ended first"
+        code, err = run_cli(["train", recipe], capsys)
+        assert code == 0, f"{where}: {err}"
+        assert curve(tmp_path) == pytest.approx(expected, rel=1e-6), where
+        assert (tmp_path / "run" / "train" / "checkpoints" / "best.json").read_text() == best, where
+
+
+def test_rerun_of_a_finished_run_reports_again_without_new_lines(tmp_path, states, capsys):
+    recipe = run_dir(tmp_path, states, epochs=1, save_every_steps=None, eval_every_steps=None)
+    assert run_cli(["train", recipe], capsys)[0] == 0
+    before = records(tmp_path)
+    with open(tmp_path / "run" / "train" / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 9, "lo')  # a line cut by a kill
+    code, err = run_cli(["train", recipe], capsys)
+    assert code == 0, err
+    assert records(tmp_path) == before
+    assert "predicted acceptance length" in " ".join(err.split())
+
+
+def flip(path: Path, tensor: str, byte: int = 0) -> None:
+    """Flip one byte inside one tensor's data of a safetensors file."""
+    with safe_open(path, framework="pt") as fh:
+        names = list(fh.keys())
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    header = json.loads(path.read_bytes()[8 : 8 + header_len])
+    start = 8 + header_len + header[tensor]["data_offsets"][0] + byte
+    data = bytearray(path.read_bytes())
+    data[start] ^= 0x40
+    path.write_bytes(bytes(data))
+    assert tensor in names
+
+
+@pytest.mark.parametrize("tensor", ["aux_hidden_states", "hidden_state", "offsets", "input_ids", "loss_mask"])
+def test_a_flipped_byte_in_any_shard_tensor_is_refused_by_train(tmp_path, states, capsys, tensor):
+    recipe = run_dir(tmp_path, states)
+    shard = sorted((tmp_path / "run" / "hidden_states" / "train").glob("*.safetensors"))[0]
+    flip(shard, tensor, byte=1 if tensor != "offsets" else 8)
+    # Refused at the first touch of the damaged shard, before any of its samples is used.
+    clean_error(["train", recipe], capsys, shard.name, "speculators-train validate")
+
+
+def test_damaged_token_counts_are_refused(tmp_path, states, capsys):
+    recipe = run_dir(tmp_path, states)
+    flip(tmp_path / "run" / "hidden_states" / "token_freq.safetensors", "token_freq", byte=5)
+    clean_error(["train", recipe], capsys, "token_freq.safetensors", "checksum mismatch")
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "needle"),
+    [
+        ("optimizer.pt", b"\x80\x04garbage", "optimizer state"),
+        ("optimizer.pt", b"", "optimizer state"),
+        ("trainer_state.json", b'{"step": ', "trainer state is not valid JSON"),
+        ("trainer_state.json", b"[1, 2]", "trainer state must be a JSON object"),
+        ("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{}", "model.safetensors"),
+    ],
+    ids=["optimizer-garbage", "optimizer-empty", "state-truncated", "state-not-object", "weights-garbage"],
+)
+def test_a_damaged_checkpoint_is_one_line(tmp_path, states, capsys, name, content, needle):
+    recipe = run_dir(tmp_path, states, epochs=1, max_steps=2, eval_every_steps=None)
+    assert run_cli(["train", recipe], capsys)[0] == 0
+    (tmp_path / "run" / "train" / "checkpoints" / "step-000002" / name).write_bytes(content)
+    shutil.rmtree(tmp_path / "run" / "train" / "checkpoints" / "step-000001", ignore_errors=True)
+    clean_error(["train", recipe, "--set", "training.max_steps=4"], capsys, "step-000002", needle)
+
+
+def test_an_optimizer_state_of_another_shape_is_one_line(tmp_path, states, capsys):
+    recipe = run_dir(tmp_path, states, epochs=1, max_steps=2, eval_every_steps=None)
+    assert run_cli(["train", recipe], capsys)[0] == 0
+    import torch
+
+    path = tmp_path / "run" / "train" / "checkpoints" / "step-000002" / "optimizer.pt"
+    state = torch.load(path, weights_only=True)
+    state["optimizer"]["param_groups"] = state["optimizer"]["param_groups"] * 2
+    torch.save(state, path)
+    clean_error(["train", recipe, "--set", "training.max_steps=4"], capsys, "checkpoint does not fit this run")
+
+
+def mount_tmpfs(path: Path, size: int) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]).returncode == 0
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_resumes_exactly(tmp_path, states, reference, capsys):
+    """Checkpoints go to a real tmpfs big enough for one of them, not two: the second save fails on ENOSPC (torch
+    and safetensors raise their own exception types there), the run stops with one line, and once space is
+    freed the same command resumes on the uninterrupted curve."""
+    expected, _, _ = reference
+    recipe = run_dir(tmp_path, states)
+    probe = tmp_path / "probe"
+    assert run_cli(["train", run_dir(probe, states, epochs=1, max_steps=1)], capsys)[0] == 0
+    one = sum(f.stat().st_size for f in (probe / "run" / "train" / "checkpoints").rglob("*") if f.is_file())
+    disk = tmp_path / "run" / "train" / "checkpoints"
+    if not mount_tmpfs(disk, one + one // 2):
+        pytest.skip("cannot mount a tmpfs here (needs root); the full-disk path is covered where it can")
+    try:
+        text = clean_error(["train", recipe], capsys, "disk full while writing", "rerun the same command to resume")
+        assert "step-000003" in text  # the epoch-end save after step 2's
+        saved = {p.name for p in disk.iterdir()}
+        assert "step-000002" in saved and not any(n.startswith(".step-") for n in saved), saved
+        kept = tmp_path / "kept"
+        shutil.copytree(disk, kept)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    shutil.rmtree(disk)
+    shutil.copytree(kept, disk)
+    code, err = run_cli(["train", recipe], capsys)
+    assert code == 0, err
+    assert curve(tmp_path) == pytest.approx(expected, rel=1e-6)
