@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from speculators_train.errors import UserError
+from speculators_train.loading import describe, open_tensors, read_json_object, reading
 from speculators_train.packed import packed_linears
 
 if TYPE_CHECKING:
@@ -105,8 +106,8 @@ def _converted_gguf_dir(gguf_path: Path) -> Path:
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
         quantized = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
-    except Exception as exc:
-        raise UserError(f"could not read GGUF file {gguf_path}: {exc}") from exc
+    except Exception as exc:  # a damaged file fails anywhere inside the GGUF reader: one line naming it
+        raise UserError(f"could not read GGUF file {gguf_path}: {describe(exc)}") from None
     config_dict = quantized.config.to_dict()
     config_dict.pop("quantization_config", None)
     config_dict.pop("_name_or_path", None)
@@ -168,10 +169,46 @@ def resolve_source(cfg: TargetConfig) -> tuple[str, str | None]:
             return str(_converted_gguf_dir(path / cfg.gguf_file)), None
         if not (path / "config.json").is_file():
             raise UserError(f"target.name_or_path: {path} is a directory without config.json (not an HF model)")
+        _check_local_dir(path)
         return str(path), None
     if path.exists() or name.startswith((".", "/", "~")):
         raise UserError(f"target.name_or_path: {name!r} is neither a directory, a .gguf file, nor a hub id")
     return name, name
+
+
+# Weight files that only unpickling reads (running whatever code they hold): never loaded here.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _weight_map(directory: Path) -> dict[str, str] | None:
+    """A sharded HF directory's tensor -> file map (model.safetensors.index.json), None when not sharded."""
+    index = directory / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    weight_map = read_json_object(index, "target weight index").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise UserError(f"{index}: target weight index: weight_map must map tensor names to file names")
+    return weight_map
+
+
+def _check_local_dir(path: Path) -> None:
+    """A local HF directory holds a readable config and safetensors weights before transformers sees it: its own
+    errors on these are long tracebacks, and on a pickle-only directory it would unpickle (run code)."""
+    read_json_object(path / "config.json", "target config")
+    weight_map = _weight_map(path)
+    if weight_map is not None:
+        missing = sorted({file for file in weight_map.values() if not (path / file).is_file()})
+        if missing:
+            raise UserError(f"{path}: weight files {missing[:3]} named by model.safetensors.index.json are missing")
+    elif not (path / "model.safetensors").is_file():
+        pickled = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickled:
+            raise UserError(
+                f"target.name_or_path: {path} holds only pickled weights ({', '.join(pickled[:3])}), which this "
+                "toolkit never loads (unpickling runs code); convert them to safetensors where you trust them, e.g. "
+                "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
+            )
+        raise UserError(f"target.name_or_path: {path} has no model.safetensors (nor model.safetensors.index.json)")
 
 
 @dataclass(frozen=True)
@@ -410,7 +447,6 @@ class TargetHead(nn.Module):
 def load_head_weights(cfg: TargetConfig):
     """The target's config, embedding, final norm and lm_head, read from its safetensors without
     building the model: a trainer needs these ~2% of an 8B target's weights, not all 16 GB."""
-    from safetensors import safe_open
     from transformers import AutoConfig
 
     source, _ = resolve_source(cfg)
@@ -419,21 +455,25 @@ def load_head_weights(cfg: TargetConfig):
         from huggingface_hub import snapshot_download
 
         local = Path(snapshot_download(source, revision=cfg.revision, allow_patterns=["*.json", "*.safetensors"]))
-    config = AutoConfig.from_pretrained(local, trust_remote_code=cfg.trust_remote_code)
-    index = local / "model.safetensors.index.json"
-    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    with reading(local / "config.json", "target config"):  # a config transformers cannot read, in one line
+        config = AutoConfig.from_pretrained(local, trust_remote_code=cfg.trust_remote_code)
+    weight_map = _weight_map(local)
     names = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
     out = {}
     for key, name in names.items():
         if key == "lm_head" and getattr(config, "tie_word_embeddings", False):
             out[key] = out["embed"]
             continue
-        file = local / (weight_map.get(name, "") if weight_map else "model.safetensors")
-        try:
-            with safe_open(file, framework="pt") as fh:
-                out[key] = fh.get_tensor(name).float()
-        except (OSError, KeyError, FileNotFoundError) as exc:
-            raise UserError(f"target {cfg.name_or_path}: tensor {name} not found in {file} ({exc})") from None
+        file_name = weight_map.get(name) if weight_map is not None else "model.safetensors"
+        if file_name is None:
+            raise UserError(f"target {cfg.name_or_path}: tensor {name} is not in {local}/model.safetensors.index.json")
+        file = local / file_name
+        if not file.is_file():
+            raise UserError(f"target {cfg.name_or_path}: tensor {name} not found ({file} is missing)")
+        with open_tensors(file, "target weights") as fh:
+            if name not in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+                raise UserError(f"target {cfg.name_or_path}: tensor {name} not found in {file}")
+            out[key] = fh.get_tensor(name).float()
     return config, out
 
 
@@ -464,9 +504,17 @@ def load_target(cfg: TargetConfig) -> Target:
     kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
-    except OSError as exc:
-        raise UserError(f"could not load target {cfg.name_or_path!r}: {exc}") from exc
+        # safetensors only, hub ids too: a pickled checkpoint is never unpickled here.
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, use_safetensors=True, output_loading_info=True, **kwargs
+        )
+    except Exception as exc:  # a damaged file fails anywhere inside transformers: one line naming the target
+        raise UserError(f"could not load target {cfg.name_or_path!r}: {describe(exc)}") from None
+    if missing := sorted(info["missing_keys"]):  # transformers would run them at random initial values
+        raise UserError(
+            f"could not load target {cfg.name_or_path!r}: its weights lack {len(missing)} tensors of the model "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+        )
     model.to(device).eval().requires_grad_(False)
     num_layers = len(model.get_decoder().layers)
     ids = cfg.aux_layer_ids or default_aux_layer_ids(num_layers)

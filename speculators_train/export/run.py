@@ -22,8 +22,8 @@ from speculators_train.errors import UserError
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft
 from speculators_train.families.layouts import DTYPES
-from speculators_train.files import read_json
 from speculators_train.hidden_states.shards import MANIFEST
+from speculators_train.loading import read_json, read_json_object, reading
 from speculators_train.recipe import Recipe
 from speculators_train.target import describe_source, gguf_file, load_head_weights, resolve_source
 
@@ -45,7 +45,9 @@ def latest_verify_report(recipe: Recipe, checkpoint: Path) -> tuple[Path, list[d
             records = read_json(results, "verify results")
         except UserError:
             continue
-        if records and all(Path(r.get("checkpoint", "")).resolve() == checkpoint.resolve() for r in records):
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            continue  # not a report `verify` wrote: as unreadable as a damaged one
+        if records and all(Path(str(r.get("checkpoint", ""))).resolve() == checkpoint.resolve() for r in records):
             return results, records
     return None
 
@@ -74,26 +76,31 @@ def model_card(
     ]
     manifest = recipe.hidden_states_dir / MANIFEST
     if manifest.is_file():
-        splits = read_json(manifest, "hidden-state manifest").get("splits", {})
-        for split, info in splits.items():
-            lines.append(
-                f"- {split}: {info.get('records')} records, {info.get('samples')} samples, {info.get('tokens')} tokens"
-            )
+        # The card reads these files' fields as `generate`, `train` and `verify` write them; one that is not (a
+        # list, a missing key, a string where a number belongs) is one line naming it, not a traceback.
+        with reading(manifest, "hidden-state manifest"):
+            for split, info in read_json_object(manifest, "hidden-state manifest").get("splits", {}).items():
+                lines.append(
+                    f"- {split}: {info.get('records')} records, {info.get('samples')} samples, "
+                    f"{info.get('tokens')} tokens"
+                )
     lines += ["", "## Training budget", ""]
     state_file = checkpoint / "trainer_state.json"
     if state_file.is_file():
-        state = read_json(state_file, "trainer state")
-        identity = state.get("identity") or {}
-        t = recipe.training
-        settings = ", ".join(f"{key} {value}" for key, value in (identity.get("draft") or {}).items())
-        lines.append(
-            f"Step {state.get('step')} (epoch {state.get('epoch')}), {state.get('tokens')} tokens seen; "
-            f"lr {t.learning_rate:g}, {t.batch_size} samples x {t.gradient_accumulation_steps} accumulation x "
-            f"{identity.get('world_size', 1)} ranks per step" + (f"; draft settings: {settings}." if settings else ".")
-        )
-        if state.get("best"):
-            best = state["best"]
-            lines.append(f"Best held-out {best['metric']}: {best['value']:.3f} (step {best['step']}).")
+        with reading(state_file, "trainer state"):
+            state = read_json_object(state_file, "trainer state")
+            identity = state.get("identity") or {}
+            t = recipe.training
+            settings = ", ".join(f"{key} {value}" for key, value in (identity.get("draft") or {}).items())
+            lines.append(
+                f"Step {state.get('step')} (epoch {state.get('epoch')}), {state.get('tokens')} tokens seen; "
+                f"lr {t.learning_rate:g}, {t.batch_size} samples x {t.gradient_accumulation_steps} accumulation x "
+                f"{identity.get('world_size', 1)} ranks per step"
+                + (f"; draft settings: {settings}." if settings else ".")
+            )
+            if state.get("best"):
+                best = state["best"]
+                lines.append(f"Best held-out {best['metric']}: {best['value']:.3f} (step {best['step']}).")
     else:
         lines.append(f"Imported from `{checkpoint}` (made by another tool); its training budget is not recorded.")
     lines += ["", "## Measured acceptance", ""]
@@ -104,11 +111,12 @@ def model_card(
         results, records = report
         lines.append(f"From `{results}` (`speculators-train verify`, real target, {records[0].get('device')}):")
         lines += ["", "| suite | shape | T | acceptance length | speedup |", "|---|---|---|---|---|"]
-        for r in records:
-            lines.append(
-                f"| {r['suite']} | {r['shape']} | {r['temperature']} | {r['acceptance_length']:.2f} | "
-                f"{r['speedup']:.2f}x |"
-            )
+        with reading(results, "verify results"):
+            for r in records:
+                lines.append(
+                    f"| {r['suite']} | {r['shape']} | {r['temperature']} | {r['acceptance_length']:.2f} | "
+                    f"{r['speedup']:.2f}x |"
+                )
     lines += ["", "## Serve", "", "```", *commands, "```", ""]
     return "\n".join(lines)
 

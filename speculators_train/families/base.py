@@ -98,9 +98,10 @@ class Family(ABC):
     layouts: ClassVar[dict[str, Layout]]  # export formats by name; the first is the default
 
     # -- building, loading, saving ------------------------------------------------------------------------------
+    @abstractmethod
     def config_from_dict(self, saved: dict[str, Any]) -> Any:
-        """The draft's config from its saved `draft_config.json` (TypeError/ValueError when it does not fit)."""
-        return self.config_type(**saved)
+        """The draft's config from its saved `draft_config.json` (someone else's file, maybe), every value typed and
+        in range before anything is built from it: a ValueError names the key when one is not."""
 
     def build(self, config: Any) -> nn.Module:
         """An untrained draft of this shape (weights to be loaded)."""

@@ -6,7 +6,9 @@
 
 `load_draft` reads any directory a user points at: a checkpoint of ours (a checkpoints/ or run directory resolves
 to its best), or a directory in one of the families' export layouts, made here or by another tool (speculators,
-SGLang, vLLM). Loading dispatches on the family the files name; nothing is unpickled.
+SGLang, vLLM). Loading dispatches on the family the files name; nothing is unpickled, and nothing is built before
+the config's values and the weights' names, shapes and dtypes are checked (`layouts.load_checked`), so a damaged
+or hostile directory is one line naming the file and the key or tensor.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from speculators_train import families
 from speculators_train.errors import UserError
 from speculators_train.families.base import Family, LoadedDraft
-from speculators_train.files import read_json
+from speculators_train.families.layouts import load_checked, shown
+from speculators_train.loading import load_tensors, read_json_object, reading
 
 CONFIG = "draft_config.json"
 WEIGHTS = "model.safetensors"
@@ -48,36 +51,33 @@ def save_draft(directory: Path, draft: nn.Module) -> None:
     (directory / CONFIG).write_text(json.dumps(saved, indent=2))
 
 
-def _family_name(saved: dict[str, Any]) -> str:
-    """The family a config names; configs saved before families were named are told apart by their fields."""
-    if "family" in saved:
-        return str(saved.pop("family"))
-    return "medusa" if saved.pop("architecture", None) == "medusa" else "eagle3"
+def _family(saved: dict[str, Any], config_file: Path) -> Family:
+    """The family a config names (the key is removed); configs saved before families were named are told apart by
+    their fields."""
+    if "family" not in saved:
+        return families.get("medusa" if saved.pop("architecture", None) == "medusa" else "eagle3")
+    name = saved.pop("family")
+    if name not in families.FAMILIES:
+        raise UserError(f"{config_file}: family {shown(name)} is not a draft family ({', '.join(families.FAMILIES)})")
+    return families.get(name)
 
 
 def load_checkpoint(path: Path) -> tuple[Family, nn.Module]:
-    """A draft from one of our checkpoint directories (safetensors only)."""
-    saved = read_json(path / CONFIG, "draft config")
-    if not isinstance(saved, dict):
-        raise UserError(f"{path / CONFIG}: not a draft config of this toolkit")
-    family = families.get(_family_name(saved))
-    try:
+    """A draft from one of our checkpoint directories (safetensors only), its config checked before anything is
+    built and its weights against the module it describes (`layouts.load_checked`)."""
+    config_file = path / CONFIG
+    saved = read_json_object(config_file, "draft config")
+    family = _family(saved, config_file)
+    with reading(config_file, f"{family.name} draft config"):
         config = family.config_from_dict(saved)
-    except (TypeError, ValueError) as exc:
-        raise UserError(f"{path / CONFIG}: not a {family.name} draft config of this toolkit ({exc})") from None
-    draft = family.build(config)
-    missing, unexpected = draft.load_state_dict(load_weights(path), strict=False)
-    missing = [k for k in missing if k not in family.not_saved]
-    if missing or unexpected:
-        raise UserError(f"{path}: weights do not fit the draft (missing {missing}, unexpected {unexpected})")
+    draft = load_checked(
+        lambda: family.build(config), load_weights(path), path / WEIGHTS, config_file, optional=family.not_saved
+    )
     return family, draft
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(path / WEIGHTS)
-    except OSError as exc:
-        raise UserError(f"{path / WEIGHTS}: unreadable checkpoint weights ({exc})") from None
+    return load_tensors(path / WEIGHTS, "draft weights")
 
 
 def load_draft(path: Path, target_num_layers: int) -> LoadedDraft:
@@ -87,10 +87,10 @@ def load_draft(path: Path, target_num_layers: int) -> LoadedDraft:
         raise UserError(f"{path}: no such draft directory")
     config_file = path / "config.json"
     if config_file.is_file() and not (path / CONFIG).is_file():
-        config = read_json(config_file, "draft config")
+        config = read_json_object(config_file, "draft config")
         for family in families.all_families():
             for layout in family.layouts.values():
-                if isinstance(config, dict) and layout.detect(config):
+                if layout.detect(config):
                     draft, has_embedding = layout.read(path, config, target_num_layers)
                     return LoadedDraft(family, draft, path, has_embedding)
     resolved = resolve_checkpoint(path)
@@ -124,7 +124,14 @@ def check_fits(loaded: LoadedDraft, hidden_size: int, vocab_size: int, num_layer
 
 
 def read_pointer(path: Path) -> dict[str, Any] | None:
-    return read_json(path, "checkpoint pointer") if path.is_file() else None
+    """A checkpoints/ pointer (latest.json, best.json), None when absent; its `step` is an integer >= 0."""
+    if not path.is_file():
+        return None
+    pointer = read_json_object(path, "checkpoint pointer")
+    step = pointer.get("step")
+    if type(step) is not int or step < 0:
+        raise UserError(f"{path}: checkpoint pointer: step must be an integer >= 0, got {shown(step)}")
+    return pointer
 
 
 def is_complete(path: Path) -> bool:
@@ -135,7 +142,7 @@ def latest_checkpoint(root: Path) -> Path | None:
     """The checkpoint `latest.json` names; if that one is gone or incomplete, the newest complete one."""
     pointer = read_pointer(root / "latest.json")
     if pointer is not None:
-        path = root / f"step-{int(pointer['step']):06d}"
+        path = root / f"step-{pointer['step']:06d}"
         if is_complete(path):
             return path
     complete = sorted((p for p in root.glob("step-*") if is_complete(p)), key=lambda p: p.name)
@@ -147,9 +154,9 @@ def resolve_checkpoint(path: Path) -> Path:
     if (path / CONFIG).is_file():
         return path
     for root in (path, path / "checkpoints", path / "train" / "checkpoints"):
-        pointer = read_pointer(root / "best.json") if (root / "best.json").is_file() else None
-        if pointer is not None and (root / f"step-{int(pointer['step']):06d}").is_dir():
-            return root / f"step-{int(pointer['step']):06d}"
+        pointer = read_pointer(root / "best.json")
+        if pointer is not None and (root / f"step-{pointer['step']:06d}").is_dir():
+            return root / f"step-{pointer['step']:06d}"
         latest = latest_checkpoint(root) if root.is_dir() else None
         if latest is not None:
             return latest

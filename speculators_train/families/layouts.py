@@ -1,19 +1,105 @@
-"""What every family's export layouts share: the `speculators_config` block, reading safetensors weights, and
-float weights in the export dtype with the vocabulary maps kept integer."""
+"""What every family's draft readers and export layouts share: the `speculators_config` block, reading safetensors
+weights, the checks every draft file passes before its module is built, and float weights in the export dtype
+with the vocabulary maps kept integer.
+
+A draft directory may come from anyone, damaged or hostile. Its config's values are typed and in range (the caps
+below) before anything is built; the module it describes is then built on the meta device (nothing allocated) and
+the files' tensors must match it name for name, in shape and in kind (float, integer, bool), with the vocabulary
+maps forming one draft vocabulary (`vocab.checked_maps`). Only then is the real module built and loaded, so it
+holds nothing the files do not, but for what a family takes from the target (EAGLE-3's embedding, capped there).
+Each refusal is one `UserError` naming the file and the key or tensor.
+"""
 
 from __future__ import annotations
 
+import itertools
+import json
+import math
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from speculators_train.errors import UserError
+from speculators_train.families.vocab import checked_maps, kind
+from speculators_train.loading import load_tensors, reading
 
 SPECULATORS_VERSION = "0.9.0"  # the format version written; vLLM 0.33 reads it
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Caps on a draft config's sizes, checked before anything is built. Released models sit far below them (hidden
+# sizes up to 16,384, MLPs up to 53,248 wide, vocabularies up to 262,144, up to 126 layers); past them a config is
+# damaged or hostile (a hidden size of 10**9 would try to allocate before any shape could disagree).
+MAX_HIDDEN = 65_536
+MAX_INTERMEDIATE = 4 * MAX_HIDDEN
+MAX_VOCAB = 1 << 22  # 4,194,304 ids
+MAX_LAYERS = 4_096  # target decoder layers: bounds the aux layer ids and target_num_layers
+
+_REQUIRED = object()  # `default` of a field without one
+
+
+def shown(value: Any) -> str:
+    """A value from a file, short enough for a one-line message."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def int_field(config: dict[str, Any], key: str, low: int, high: int, default: Any = _REQUIRED, name: str = "") -> Any:
+    """`config[key]`, an integer in low..high (a JSON bool or float is not one); a missing or null key takes
+    `default`, and is refused without one. ValueError names the key as `name` (its path in the file) or `key`."""
+    name = name or key
+    value = config.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{name} is missing")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {shown(value)}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in {low}..{high}, got {value}")
+    return value
+
+
+def bool_field(config: dict[str, Any], key: str, default: bool, name: str = "") -> bool:
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{name or key} must be true or false, got {shown(value)}")
+    return value
+
+
+def positive_number_field(config: dict[str, Any], key: str, name: str = "") -> None:
+    """A finite number above 0 where the key is present (an epsilon)."""
+    value = config.get(key)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name or key} must be a number above 0, got {shown(value)}")
+
+
+def dict_field(config: dict[str, Any], key: str, default: Any = _REQUIRED, name: str = "") -> Any:
+    value = config.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{name or key} is missing")
+        return default
+    if not isinstance(value, dict):
+        raise ValueError(f"{name or key} must be a JSON object, got {shown(value)}")
+    return value
+
+
+def layer_ids_field(value: Any, name: str) -> list[int]:
+    """Aux layer ids: a non-empty list of distinct ascending ids >= 0 (engines capture the states in layer order,
+    each once; 0 is the embeddings)."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{name} must be a non-empty list of layer ids, got {shown(value)}")
+    ids = [int_field({"id": i}, "id", 0, MAX_LAYERS - 1, name=f"{name}[{n}]") for n, i in enumerate(value)]
+    if any(b <= a for a, b in itertools.pairwise(ids)):
+        raise ValueError(f"{name} {ids} must be distinct and ascending")
+    return ids
 
 
 def proposal_config(
@@ -35,7 +121,9 @@ def proposal_config(
     }
 
 
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
+def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """Every tensor of the directory's safetensors files, and what to name as their source in messages (the one
+    file, or the directory when the weights are sharded)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
@@ -48,11 +136,69 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise UserError(f"{path}: no .safetensors weights next to config.json{hint}")
     out: dict[str, torch.Tensor] = {}
     for file in files:
-        try:
-            out.update(load_file(file))
-        except OSError as exc:
-            raise UserError(f"{file}: unreadable weights ({exc})") from None
-    return out
+        tensors = load_tensors(file, "draft weights")
+        if twice := sorted(set(tensors) & set(out)):
+            raise UserError(f"{file}: draft weights: {twice[:3]} also in another .safetensors file of {path}")
+        out.update(tensors)
+    return out, files[0] if len(files) == 1 else path
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def weight_problems(
+    expected: dict[str, torch.Tensor],
+    weights: dict[str, torch.Tensor],
+    optional: Collection[str] = (),
+    spell: Callable[[str], str] = str,
+) -> list[str]:
+    """Every way `weights` differ from a module's `expected` state: names missing (unless `optional`) or
+    unexpected, shapes, and kinds (a float parameter stored as int8 would be cast silently by `load_state_dict`).
+    `spell` gives a module name as the file spells it."""
+    missing = [spell(name) for name in expected if name not in weights and name not in optional]
+    unexpected = [spell(name) for name in weights if name not in expected]
+    problems = [
+        f"{what} {_listed(names)}" for what, names in (("missing", missing), ("unexpected", unexpected)) if names
+    ]
+    for name, want in expected.items():
+        got = weights.get(name)
+        if got is None:
+            continue
+        if got.shape != want.shape:
+            problems.append(f"{spell(name)} has shape {list(got.shape)}, expected {list(want.shape)}")
+        elif kind(got) != kind(want):
+            problems.append(f"{spell(name)} is {str(got.dtype).removeprefix('torch.')}, expected a {kind(want)} tensor")
+    return problems
+
+
+def load_checked(
+    build: Callable[[], nn.Module],
+    weights: dict[str, torch.Tensor],
+    source: Path,
+    config_file: Path,
+    optional: Collection[str] = (),
+    spell: Callable[[str], str] = str,
+) -> nn.Module:
+    """The module `build` makes from a checked config, holding `weights` once they fit it (see the module
+    docstring); `optional` names tensors the files may leave out (what the target provides), `spell` how the
+    files name a module tensor. A draft with vocabulary maps (every family's) gets them checked, and t2d derived
+    where the files carry only d2t."""
+    with reading(config_file, "draft config"), torch.device("meta"):  # a value no check names (a RoPE block)
+        expected = build().state_dict()
+    weights = dict(weights)
+    if "d2t" in expected:
+        with reading(source, "draft weights"):  # ValueError: why the maps are not one vocabulary
+            weights["d2t"], weights["t2d"] = checked_maps(
+                weights.get("d2t"), weights.get("t2d"), expected["d2t"].numel(), expected["t2d"].numel()
+            )
+    problems = weight_problems(expected, weights, optional, spell)
+    if problems:
+        raise UserError(f"{source}: weights do not fit {config_file.name}: {'; '.join(problems)}")
+    with reading(config_file, "draft config"):  # MemoryError: what the target provides is larger than this machine
+        module = build()
+    module.load_state_dict(weights, strict=False)
+    return module
 
 
 def export_tensors(

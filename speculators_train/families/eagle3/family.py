@@ -11,7 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from speculators_train.families.base import Family, Layout
 from speculators_train.families.eagle3.formats import SGLangLayout, SpeculatorsLayout
 from speculators_train.families.eagle3.gguf import GGUFLayout
-from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
+from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft, checked_config
 from speculators_train.families.eagle3.objective import Eagle3Objective
 from speculators_train.families.eagle3.proposer import Eagle3Proposer
 from speculators_train.families.eagle3.settings import Settings
@@ -33,6 +33,9 @@ class Eagle3Family(Family):
         "sglang": SGLangLayout(),
         "gguf": GGUFLayout(),
     }
+
+    def config_from_dict(self, saved: dict[str, Any]) -> Eagle3Config:
+        return checked_config(saved)
 
     def new_draft(
         self,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,17 @@ from transformers import LlamaConfig
 
 from speculators_train.errors import UserError
 from speculators_train.families.base import Layout
-from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
-from speculators_train.families.layouts import SPECULATORS_VERSION, export_tensors, proposal_config, read_weights
+from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft, check_layer, checked_config
+from speculators_train.families.layouts import (
+    SPECULATORS_VERSION,
+    dict_field,
+    export_tensors,
+    load_checked,
+    proposal_config,
+    read_weights,
+    shown,
+)
+from speculators_train.loading import reading
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang's
 # LlamaConfig.to_dict() keys that describe a saved file rather than the layer.
@@ -91,27 +101,26 @@ def speculators_config(
 def load_speculators_eagle3(path: Path, config: dict[str, Any], target_num_layers: int) -> tuple[Eagle3Draft, bool]:
     """A draft from a speculators-format directory, and whether the file carried `embed_tokens` (vLLM then keeps
     it); if not, the caller fills the embedding from the target."""
-    layer = dict(config.get("transformer_layer_config") or {})
-    missing = [key for key in ("hidden_size", "vocab_size", "num_attention_heads") if key not in layer]
-    if missing or "draft_vocab_size" not in config:
-        raise UserError(
-            f"{path / 'config.json'}: not an EAGLE-3 speculators config (missing {missing or 'draft_vocab_size'})"
+    config_file = path / "config.json"
+    with reading(config_file, "EAGLE-3 speculators config"):
+        layer = dict_field(config, "transformer_layer_config")
+        unsupported = [key for key in ("norm_before_fc", "fc_norm", "norm_output") if config.get(key)]
+        if unsupported:
+            raise UserError(f"{config_file}: {unsupported} set; this draft class implements neither")
+        n = target_num_layers
+        aux = config.get("eagle_aux_hidden_state_layer_ids")
+        cfg = checked_config(
+            {
+                "layer_config": clean_layer_config(layer),
+                "target_hidden_size": config.get("target_hidden_size"),
+                "draft_vocab_size": config.get("draft_vocab_size"),
+                "aux_layer_ids": [2, n // 2, n - 3] if aux is None else aux,
+                "norm_before_residual": config.get("norm_before_residual", True),  # missing: true, as vLLM reads it
+            },
+            {"layer_config": "transformer_layer_config", "aux_layer_ids": "eagle_aux_hidden_state_layer_ids"},
         )
-    unsupported = [key for key in ("norm_before_fc", "fc_norm", "norm_output") if config.get(key)]
-    if unsupported:
-        raise UserError(f"{path / 'config.json'}: {unsupported} set; this draft class implements neither")
-    n = target_num_layers
-    aux = config.get("eagle_aux_hidden_state_layer_ids") or [2, n // 2, n - 3]
-    draft = Eagle3Draft(
-        Eagle3Config(
-            layer_config=clean_layer_config(layer),
-            target_hidden_size=config.get("target_hidden_size") or layer["hidden_size"],
-            draft_vocab_size=int(config["draft_vocab_size"]),
-            aux_layer_ids=list(aux),
-            norm_before_residual=bool(config.get("norm_before_residual", True)),
-        )
-    )
-    return draft, load_weights_into(draft, read_weights(path), path)
+    weights, source = read_weights(path)
+    return load_eagle3(cfg, weights, source, config_file)
 
 
 def clean_layer_config(layer: dict[str, Any]) -> dict[str, Any]:
@@ -123,33 +132,22 @@ def clean_layer_config(layer: dict[str, Any]) -> dict[str, Any]:
     return layer
 
 
-def load_weights_into(draft: Eagle3Draft, weights: dict[str, torch.Tensor], path: Path) -> bool:
-    """Load names in our (= the speculators) layout, with d2t/t2d kept integer/bool and an identity mapping for a
-    full-vocab draft that ships none. Returns whether `embed_tokens` was in the files."""
-    cfg = draft.config
-    if "d2t" not in weights and cfg.draft_vocab_size == cfg.target_vocab_size:
-        weights["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
-    if "d2t" in weights and weights["d2t"].shape != (cfg.draft_vocab_size,):
-        raise UserError(f"{path}: d2t has shape {tuple(weights['d2t'].shape)}, not ({cfg.draft_vocab_size},)")
-    if "t2d" not in weights and "d2t" in weights:
-        weights["t2d"] = torch.zeros(cfg.target_vocab_size, dtype=torch.bool)
-        ids = torch.arange(cfg.draft_vocab_size) + weights["d2t"].to(torch.int64)
-        if ids.numel() and (ids.min() < 0 or ids.max() >= cfg.target_vocab_size):
-            raise UserError(f"{path}: d2t maps draft ids outside the target vocabulary of {cfg.target_vocab_size}")
-        weights["t2d"][ids] = True
-    for name in ("d2t", "t2d"):
-        if name in weights:
-            weights[name] = weights[name].to(torch.int64 if name == "d2t" else torch.bool)
-    try:
-        missing, unexpected = draft.load_state_dict(weights, strict=False)
-    except RuntimeError as exc:  # a shape that disagrees with the config
-        detail = " ".join(str(exc).split("\n\t")[1:2]) or str(exc)
-        raise UserError(f"{path}: weights do not fit its config.json ({detail.strip()})") from None
-    has_embedding = "embed_tokens.weight" not in missing
-    missing = [k for k in missing if k != "embed_tokens.weight"]
-    if missing or unexpected:
-        raise UserError(f"{path}: weights do not fit an EAGLE-3 draft (missing {missing}, unexpected {unexpected})")
-    return has_embedding
+def load_eagle3(
+    config: Eagle3Config,
+    weights: dict[str, torch.Tensor],
+    source: Path,
+    config_file: Path,
+    spell: Callable[[str], str] = str,
+) -> tuple[Eagle3Draft, bool]:
+    """The draft holding `weights` (names in our = the speculators layout; `spell` gives the file's) once they fit
+    `config`, and whether they carried `embed_tokens`. A full-vocabulary draft may ship no d2t: its map is the
+    identity."""
+    if "d2t" not in weights and config.draft_vocab_size == config.target_vocab_size:
+        weights = {**weights, "d2t": torch.zeros(config.draft_vocab_size, dtype=torch.int64)}
+    draft = load_checked(
+        lambda: Eagle3Draft(config), weights, source, config_file, optional=("embed_tokens.weight",), spell=spell
+    )
+    return draft, "embed_tokens.weight" in weights
 
 
 def unsupported(config: Eagle3Config) -> list[str]:
@@ -194,33 +192,38 @@ def weight_name(name: str) -> str:
 
 def load_sglang_eagle3(path: Path, config: dict[str, Any], target_num_layers: int) -> tuple[Eagle3Draft, bool]:
     """A draft from an SGLang/EAGLE-format directory (ours or SpecForge's), and whether it carried `embed_tokens`."""
-    missing = [
-        key for key in ("hidden_size", "vocab_size", "num_attention_heads", "draft_vocab_size") if key not in config
-    ]
-    if missing:
-        raise UserError(f"{path / 'config.json'}: not an EAGLE-3 {ARCHITECTURE} config (missing {missing})")
-    known = set(LlamaConfig().to_dict())
-    layer = {k: v for k, v in LlamaConfig(**config).to_dict().items() if k in known}
-    eagle = config.get("eagle_config") or {}
-    if eagle.get("eagle_aux_hidden_state_layer_ids"):
-        aux = [int(i) + 1 for i in eagle["eagle_aux_hidden_state_layer_ids"]]
-    else:
-        n = target_num_layers
-        aux = [2, n // 2, n - 3]  # SGLang's default, already in our convention
-    draft = Eagle3Draft(
-        Eagle3Config(
-            layer_config=clean_layer_config(layer),
-            target_hidden_size=config.get("target_hidden_size") or config["hidden_size"],
-            draft_vocab_size=int(config["draft_vocab_size"]),
-            aux_layer_ids=aux,
-            norm_before_residual=False,  # the only convention SGLang runs
+    config_file = path / "config.json"
+    with reading(config_file, f"EAGLE-3 {ARCHITECTURE} config"):
+        check_layer(config)  # before LlamaConfig reads the values
+        known = set(LlamaConfig().to_dict())
+        layer = {k: v for k, v in LlamaConfig(**config).to_dict().items() if k in known}
+        eagle = dict_field(config, "eagle_config", default={})
+        theirs = eagle.get("eagle_aux_hidden_state_layer_ids")
+        if theirs is None:
+            n = target_num_layers
+            aux = [2, n // 2, n - 3]  # SGLang's default, already in our convention
+        elif isinstance(theirs, list) and all(type(i) is int for i in theirs):
+            aux = [i + 1 for i in theirs]
+        else:
+            raise ValueError(
+                f"eagle_config.eagle_aux_hidden_state_layer_ids must be a list of integers, got {shown(theirs)}"
+            )
+        cfg = checked_config(
+            {
+                "layer_config": clean_layer_config(layer),
+                "target_hidden_size": config.get("target_hidden_size"),
+                "draft_vocab_size": config.get("draft_vocab_size"),
+                "aux_layer_ids": aux,
+                "norm_before_residual": False,  # the only convention SGLang runs
+            },
+            {"layer_config": "", "aux_layer_ids": "eagle_config.eagle_aux_hidden_state_layer_ids (each + 1)"},
         )
-    )
-    weights = {}
-    for name, tensor in read_weights(path).items():
+    weights, source = read_weights(path)
+    renamed = {}
+    for name, tensor in weights.items():
         name = name.removeprefix("model.")
-        weights["layers.0." + name[len("midlayer.") :] if name.startswith("midlayer.") else name] = tensor
-    return draft, load_weights_into(draft, weights, path)
+        renamed["layers.0." + name[len("midlayer.") :] if name.startswith("midlayer.") else name] = tensor
+    return load_eagle3(cfg, renamed, source, config_file, weight_name)
 
 
 class SpeculatorsLayout(Layout):
@@ -251,7 +254,8 @@ class SGLangLayout(Layout):
     engines = "SGLang (EAGLE3)"
 
     def detect(self, config: dict[str, Any]) -> bool:
-        return ARCHITECTURE in (config.get("architectures") or [])
+        architectures = config.get("architectures")
+        return isinstance(architectures, list) and ARCHITECTURE in architectures
 
     def read(self, path: Path, config: dict[str, Any], target_num_layers: int) -> tuple[Eagle3Draft, bool]:
         return load_sglang_eagle3(path, config, target_num_layers)

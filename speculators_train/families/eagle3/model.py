@@ -13,7 +13,7 @@ query's own position (the draft token it produced there). RoPE position of step 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
+from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaMLP,
@@ -30,7 +31,26 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
+from speculators_train.families.layouts import (
+    MAX_HIDDEN,
+    MAX_INTERMEDIATE,
+    MAX_LAYERS,
+    MAX_VOCAB,
+    bool_field,
+    dict_field,
+    int_field,
+    layer_ids_field,
+    positive_number_field,
+    shown,
+)
+from speculators_train.families.vocab import first_ids
+
 KV = tuple[torch.Tensor, torch.Tensor]
+
+# The target's embedding (target vocab x hidden) is the one tensor a loaded draft builds beyond what its files
+# carry; 2**32 elements (16 GiB in fp32) is twice Llama-3.1-405B's.
+MAX_EMBEDDING = 1 << 32
+MAX_POSITIONS = 1 << 24
 
 
 @dataclass
@@ -86,6 +106,71 @@ class Eagle3Config:
             norm_before_residual,
             target_num_layers=target_config.num_hidden_layers,
         )
+
+
+def check_layer(layer: dict[str, Any], prefix: str = "") -> None:
+    """The LlamaConfig values the draft's decoder layer is built from, typed and in range; ValueError names the key
+    as `prefix` + key (its path in the file)."""
+    hidden = int_field(layer, "hidden_size", 1, MAX_HIDDEN, name=f"{prefix}hidden_size")
+    int_field(layer, "intermediate_size", 1, MAX_INTERMEDIATE, name=f"{prefix}intermediate_size")
+    int_field(layer, "vocab_size", 1, MAX_VOCAB, name=f"{prefix}vocab_size")
+    heads = int_field(layer, "num_attention_heads", 1, hidden, name=f"{prefix}num_attention_heads")
+    kv = int_field(layer, "num_key_value_heads", 1, heads, default=heads, name=f"{prefix}num_key_value_heads")
+    if heads % kv:  # each key/value head serves a whole group of query heads
+        raise ValueError(f"{prefix}num_key_value_heads {kv} must divide {prefix}num_attention_heads {heads}")
+    head_dim = int_field(layer, "head_dim", 1, MAX_HIDDEN, default=None, name=f"{prefix}head_dim")
+    if head_dim is None:  # LlamaConfig's default: hidden split evenly over the heads
+        if hidden % heads:
+            raise ValueError(
+                f"{prefix}num_attention_heads {heads} must divide {prefix}hidden_size {hidden} (no head_dim given)"
+            )
+        head_dim = hidden // heads
+    if head_dim % 2:
+        raise ValueError(
+            f"{prefix}head_dim {head_dim} (or hidden_size / num_attention_heads) is odd; RoPE rotates pairs"
+        )
+    positive_number_field(layer, "rms_norm_eps", name=f"{prefix}rms_norm_eps")
+    int_field(layer, "max_position_embeddings", 1, MAX_POSITIONS, default=None, name=f"{prefix}max_position_embeddings")
+    act = layer.get("hidden_act", "silu")
+    if not isinstance(act, str) or act not in ACT2FN:
+        raise ValueError(f"{prefix}hidden_act {shown(act)} is not an activation transformers knows")
+    for key in ("attention_bias", "mlp_bias"):
+        bool_field(layer, key, False, name=f"{prefix}{key}")
+
+
+def checked_config(values: dict[str, Any], keys: dict[str, str] | None = None) -> Eagle3Config:
+    """An Eagle3Config from `values` (its fields, as read from a file), each typed and in range first. ValueError
+    names a field as the file spells it: `keys` maps a field to that spelling where it differs (export layouts)."""
+    keys = keys or {}
+
+    def name(key: str) -> str:
+        return keys.get(key, key)
+
+    unknown = sorted(set(values) - {f.name for f in fields(Eagle3Config)})
+    if unknown:
+        raise ValueError(f"unknown keys {unknown}")
+    layer = dict_field(values, "layer_config", name=name("layer_config"))
+    check_layer(layer, f"{name('layer_config')}." if name("layer_config") else "")
+    target_vocab = int_field(values, "target_vocab_size", 0, MAX_VOCAB, default=0, name=name("target_vocab_size"))
+    target_vocab = target_vocab or layer["vocab_size"]  # 0: the layer's
+    hidden = layer["hidden_size"]
+    if target_vocab * hidden > MAX_EMBEDDING:
+        raise ValueError(
+            f"the target embedding it describes ({target_vocab} ids x {hidden}) exceeds {MAX_EMBEDDING} elements"
+        )
+    return Eagle3Config(
+        layer_config=layer,
+        target_hidden_size=int_field(  # missing: the target is as wide as the draft's layer
+            values, "target_hidden_size", 1, MAX_HIDDEN, default=hidden, name=name("target_hidden_size")
+        ),
+        draft_vocab_size=int_field(values, "draft_vocab_size", 1, target_vocab, name=name("draft_vocab_size")),
+        aux_layer_ids=layer_ids_field(values.get("aux_layer_ids"), name("aux_layer_ids")),
+        norm_before_residual=bool_field(values, "norm_before_residual", False, name=name("norm_before_residual")),
+        target_vocab_size=target_vocab,
+        target_num_layers=int_field(
+            values, "target_num_layers", 0, MAX_LAYERS, default=0, name=name("target_num_layers")
+        ),
+    )
 
 
 def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: list[KV], scale: float) -> torch.Tensor:
@@ -208,8 +293,9 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(config.target_vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
         self.rotary_emb = LlamaRotaryEmbedding(llama)
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.zeros(config.target_vocab_size, dtype=torch.bool))
+        d2t, t2d = first_ids(config.draft_vocab_size, config.target_vocab_size)
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
         self.gradient_checkpointing = False
 
     def step(

@@ -11,13 +11,13 @@ import torch
 from speculators_train.errors import UserError
 from speculators_train.families.base import Family, Layout
 from speculators_train.families.medusa.formats import MedusaLayout
-from speculators_train.families.medusa.model import MedusaConfig, MedusaDraft
+from speculators_train.families.medusa.model import MedusaConfig, MedusaDraft, checked_config
 from speculators_train.families.medusa.objective import MedusaObjective
 from speculators_train.families.medusa.proposer import MedusaProposer, measured_tree
 from speculators_train.families.medusa.settings import Settings
 from speculators_train.families.objective import key
 from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
-from speculators_train.files import read_json
+from speculators_train.loading import read_json
 from speculators_train.proposal import TreeSpec
 from speculators_train.target import StateSpec, Target, TargetHead
 
@@ -49,6 +49,9 @@ class MedusaFamily(Family):
     draft_type = MedusaDraft
     config_type = MedusaConfig
     layouts: ClassVar[dict[str, Layout]] = {"speculators": MedusaLayout()}
+
+    def config_from_dict(self, saved: dict[str, Any]) -> MedusaConfig:
+        return checked_config(saved)
 
     def new_draft(
         self,

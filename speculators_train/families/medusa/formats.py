@@ -25,9 +25,18 @@ import transformers
 
 from speculators_train.errors import UserError
 from speculators_train.families.base import Layout
-from speculators_train.families.layouts import DTYPES, SPECULATORS_VERSION, proposal_config, read_weights
-from speculators_train.families.medusa.model import MedusaConfig, MedusaDraft
-from speculators_train.families.vocab import draft_to_target
+from speculators_train.families.layouts import (
+    DTYPES,
+    SPECULATORS_VERSION,
+    bool_field,
+    dict_field,
+    load_checked,
+    proposal_config,
+    read_weights,
+)
+from speculators_train.families.medusa.model import MedusaConfig, MedusaDraft, checked_config
+from speculators_train.families.vocab import draft_to_target, ids_problem
+from speculators_train.loading import reading
 
 
 def medusa_config(
@@ -66,50 +75,51 @@ def medusa_weights(draft: MedusaDraft, dtype: str) -> dict[str, torch.Tensor]:
 
 def load_medusa(path: Path, config: dict[str, Any]) -> MedusaDraft:
     """Heads from a vLLM Medusa directory (ours or another tool's)."""
-    missing = [key for key in ("hidden_size", "vocab_size", "num_heads") if key not in config]
-    if missing:
-        raise UserError(f"{path / 'config.json'}: not a Medusa config (missing {missing})")
-    ours = config.get("speculators_train") or {}  # exports before it was nested carry the key top-level
-    vocab = int(config["vocab_size"])
-    truncated = int(config.get("truncated_vocab_size") or vocab)
-    cfg = MedusaConfig(
-        hidden_size=int(config["hidden_size"]),
-        num_heads=int(config["num_heads"]),
-        num_layers=int(config.get("num_hidden_layers", 1)),
-        draft_vocab_size=truncated,
-        target_vocab_size=vocab,
-        target_num_layers=int(ours.get("target_num_layers") or config.get("target_num_layers") or 0),
-    )
-    weights = {name.removeprefix("medusa_heads."): t for name, t in read_weights(path).items()}
-    if config.get("original_lm_head") and "lm_heads.0.weight" in weights:
+    config_file = path / "config.json"
+    with reading(config_file, "Medusa config"):
+        ours = dict_field(config, "speculators_train", default={})  # exports before it was nested: top-level
+        target_layers = ours.get("target_num_layers", config.get("target_num_layers"))
+        vocab = config.get("vocab_size")
+        truncated = config.get("truncated_vocab_size")
+        cfg = checked_config(
+            {
+                "hidden_size": config.get("hidden_size"),
+                "num_heads": config.get("num_heads"),
+                "num_layers": config.get("num_hidden_layers", 1),
+                "draft_vocab_size": vocab if truncated is None else truncated,
+                "target_vocab_size": vocab,
+                "target_num_layers": target_layers,
+            },
+            {
+                "num_layers": "num_hidden_layers",
+                "draft_vocab_size": "truncated_vocab_size",
+                "target_vocab_size": "vocab_size",
+                "target_num_layers": "speculators_train.target_num_layers",
+            },
+        )
+        shared_head = bool_field(config, "original_lm_head", False)
+        bias = bool_field(config, "medusa_fc_bias", False)
+    weights, source = read_weights(path)
+    weights = {name.removeprefix("medusa_heads."): t for name, t in weights.items()}
+    if shared_head and "lm_heads.0.weight" in weights:
         for h in range(1, cfg.num_heads):
             weights.setdefault(f"lm_heads.{h}.weight", weights["lm_heads.0.weight"])
     token_map = weights.pop("token_map", None)
     if token_map is None:
-        if truncated != vocab:
-            raise UserError(f"{path}: truncated_vocab_size {truncated} < vocab_size {vocab} but no token_map")
-        token_map = torch.arange(vocab)
-    token_map = token_map.to(torch.int64)
-    if token_map.shape != (truncated,) or token_map.min() < 0 or token_map.max() >= vocab:
-        raise UserError(
-            f"{path}: token_map must hold {truncated} ids of a {vocab}-token vocabulary "
-            f"(got shape {tuple(token_map.shape)})"
-        )
-    weights["d2t"] = token_map - torch.arange(truncated)
-    weights["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, token_map, True)
-    draft = MedusaDraft(cfg)
-    if not config.get("medusa_fc_bias", False):  # bias-free blocks are ours with a zero bias
-        for name, param in draft.named_parameters():
-            if name.endswith(".bias"):
-                weights.setdefault(name, torch.zeros_like(param))
-    try:
-        missing_names, unexpected = draft.load_state_dict(weights, strict=False)
-    except RuntimeError as exc:
-        detail = " ".join(str(exc).split("\n\t")[1:2]) or str(exc)
-        raise UserError(f"{path}: weights do not fit its config.json ({detail.strip()})") from None
-    if missing_names or unexpected:
-        raise UserError(f"{path}: weights do not fit Medusa heads (missing {missing_names}, unexpected {unexpected})")
-    return draft
+        if cfg.draft_vocab_size != cfg.target_vocab_size:
+            raise UserError(
+                f"{path}: truncated_vocab_size {cfg.draft_vocab_size} < vocab_size {cfg.target_vocab_size} "
+                "but no token_map"
+            )
+        token_map = torch.arange(cfg.target_vocab_size)
+    elif problem := ids_problem(token_map, "token_map", cfg.draft_vocab_size, cfg.target_vocab_size):
+        raise UserError(f"{source}: {problem}")
+    weights["d2t"] = token_map.to(torch.int64) - torch.arange(cfg.draft_vocab_size)
+    if not bias:  # bias-free blocks are ours with a zero bias
+        for h in range(cfg.num_heads):
+            for block in range(cfg.num_layers):
+                weights.setdefault(f"blocks.{h}.layers.{block}.bias", torch.zeros(cfg.hidden_size))
+    return load_checked(lambda: MedusaDraft(cfg), weights, source, config_file)
 
 
 class MedusaLayout(Layout):

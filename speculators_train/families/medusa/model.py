@@ -11,12 +11,16 @@ reduced vocabulary and d2t/t2d maps as EAGLE-3). Weight names follow vLLM's Medu
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from speculators_train.families.layouts import MAX_HIDDEN, MAX_LAYERS, MAX_VOCAB, int_field
+from speculators_train.families.medusa.settings import MAX_BLOCKS, MAX_HEADS
+from speculators_train.families.vocab import first_ids
 
 
 @dataclass
@@ -36,6 +40,30 @@ class MedusaConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def checked_config(values: dict[str, Any], keys: dict[str, str] | None = None) -> MedusaConfig:
+    """A MedusaConfig from `values` (its fields, as read from a file), each typed and in range first. ValueError
+    names a field as the file spells it: `keys` maps a field to that spelling where it differs (vLLM's layout)."""
+    keys = keys or {}
+
+    def name(key: str) -> str:
+        return keys.get(key, key)
+
+    unknown = sorted(set(values) - {f.name for f in fields(MedusaConfig)})
+    if unknown:
+        raise ValueError(f"unknown keys {unknown}")
+    target_vocab = int_field(values, "target_vocab_size", 1, MAX_VOCAB, name=name("target_vocab_size"))
+    return MedusaConfig(
+        hidden_size=int_field(values, "hidden_size", 1, MAX_HIDDEN, name=name("hidden_size")),
+        num_heads=int_field(values, "num_heads", 1, MAX_HEADS, name=name("num_heads")),
+        num_layers=int_field(values, "num_layers", 1, MAX_BLOCKS, name=name("num_layers")),
+        draft_vocab_size=int_field(values, "draft_vocab_size", 1, target_vocab, name=name("draft_vocab_size")),
+        target_vocab_size=target_vocab,
+        target_num_layers=int_field(
+            values, "target_num_layers", 0, MAX_LAYERS, default=0, name=name("target_num_layers")
+        ),
+    )
 
 
 class ResBlock(nn.Linear):
@@ -70,8 +98,9 @@ class MedusaDraft(nn.Module):
         h = config.hidden_size
         self.blocks = nn.ModuleList([MedusaBlocks(h, config.num_layers) for _ in range(config.num_heads)])
         self.lm_heads = nn.ModuleList([nn.Linear(h, config.draft_vocab_size, bias=False) for _ in self.blocks])
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.zeros(config.target_vocab_size, dtype=torch.bool))
+        d2t, t2d = first_ids(config.draft_vocab_size, config.target_vocab_size)
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
         self.gradient_checkpointing = False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

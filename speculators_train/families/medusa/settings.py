@@ -8,11 +8,17 @@ from pydantic import Field
 
 from speculators_train.families.base import FamilySettings
 
+# Caps a recipe and a Medusa file are held to: head h predicts the token h + 2 ahead, and the published heads
+# number 3 to 5 with 1 block each. A file's shared lm_head (`original_lm_head`) is copied once per head, so the
+# head count also bounds what a loaded file can make this process allocate.
+MAX_HEADS = 16
+MAX_BLOCKS = 16
+
 
 class Settings(FamilySettings):
     family: Literal["medusa"] = "medusa"
-    num_heads: int = Field(4, gt=0, description="Head h predicts token t+2+h.")
-    num_layers: int = Field(1, gt=0, description="Residual blocks x + SiLU(Wx + b) per head.")
+    num_heads: int = Field(4, gt=0, le=MAX_HEADS, description="Head h predicts token t+2+h.")
+    num_layers: int = Field(1, gt=0, le=MAX_BLOCKS, description="Residual blocks x + SiLU(Wx + b) per head.")
     loss: Literal["soft", "hard"] = Field("soft", description="soft: distil the target's distribution; hard: labels.")
     head_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of head h is head_decay**h.")
     draft_vocab_size: int = Field(8192, gt=0, description="Reduced vocab from the generator's token counts.")
