@@ -100,7 +100,7 @@ def test_roles_normalise_across_formats():
     }
     conv = normalize_record(sharegpt, "sg", "o", report)
     assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "user", "assistant"]
-    assert conv.id == "sg:1"
+    assert conv.id == "sg:1:int", 'an integer id is typed: it never meets the string id "1"'
     openai = {
         "messages": [
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},

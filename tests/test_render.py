@@ -125,3 +125,52 @@ def test_resolve_pkg_path_names_missing_package():
 
     with pytest.raises(UserError, match="package 'no_such_pkg' is not installed"):
         Section().resolve_path("pkg:no_such_pkg/x.json", "sources.x.path")
+
+
+def long_records(convs: list[Conversation]) -> list[Conversation]:
+    """Real conversations made far longer than any max_length below, and adversarial runs for the head's cut to
+    fall in: one pre-token 100k characters long, whitespace and newline runs, emoji, special tokens written as text."""
+    out = []
+    for conv in convs[:12]:
+        messages = tuple(
+            {**m, "content": (m["content"] + "\n") * (50_000 // (len(m["content"]) + 1) + 1)} for m in conv.messages
+        )
+        out.append(Conversation(conv.id + ":long", messages, conv.origin))
+    runs = ["#" * 100_000, " " * 100_000 + "x", "a" * 100_000, "\n" * 100_000, "🙂" * 100_000, "<|im_end|>" * 10_000]
+    runs += ["Déjà vu, 1234567890 " * 5_000, "".join(chr(0x4E00 + i % 2000) for i in range(100_000))]
+    for n, run in enumerate(runs):
+        for first in (True, False):  # the long text in the user turn (cut there) or in the reply
+            user, reply = (run, "Short reply.") if first else ("Please repeat.", run)
+            messages = ({"role": "user", "content": user}, {"role": "assistant", "content": reply})
+            out.append(Conversation(f"adv:{n}:{first}", messages, f"adv:{n}"))
+    return out
+
+
+def test_long_records_tokenised_by_their_head_match_the_whole(tokenizer, tmp_path, monkeypatch):
+    """A text far past max_length is tokenised by its head alone (bounded memory); ids, loss mask and the drop
+    decision must be exactly what tokenising the whole text gives."""
+    import speculators_train.data.render as render_module
+
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(f"sources: [{{name: sg, path: '{SHAREGPT}', max_records: 40}}]\n")
+    convs = long_records([c for c in load_mix(mix, 0.0).train if len(c.messages) >= 2])
+    heads = []
+    head_tokens = render_module._head_tokens
+    monkeypatch.setattr(render_module, "_head_tokens", lambda *a: heads.append(a[1]) or head_tokens(*a))
+    whole = render_many(convs, tokenizer, 10**9, "truncate", SkipReport())
+    assert not heads and all(s is not None for s in whole), "the whole path: one batched call, no heads"
+    compared = 0
+    for max_length in (48, 127, 300):
+        heads.clear()
+        cut = render_many(convs, tokenizer, max_length, "truncate", SkipReport())
+        dropped = render_many(convs, tokenizer, max_length, "drop", SkipReport())
+        assert len(heads) == 2 * len(convs), "every record here must take the head path"
+        for conv, full, part, kept in zip(convs, whole, cut, dropped, strict=True):
+            assert kept is None, conv.id  # all far over max_length
+            if part is None:
+                assert full is None or not full.loss_mask[:max_length].any(), conv.id
+                continue
+            assert part.input_ids.tolist() == full.input_ids[:max_length].tolist(), conv.id
+            assert part.loss_mask.tolist() == full.loss_mask[:max_length].tolist(), conv.id
+            compared += 1
+    assert compared >= 40, compared

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,28 +71,57 @@ class SkipReport:
         return out
 
 
-def _content_text(content: Any) -> str | None:
-    """Plain text of a message: a string, or OpenAI-style content parts of type text."""
+# A str holds a surrogate code point only when it came from a lone `\ud800`-style JSON escape (a valid pair decodes to
+# one character) or from an invalid byte: such text cannot be encoded as UTF-8, so no tokenizer or file can take it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+ID_KEYS = ("id", "prompt_id", "conversation_id")
+
+
+def _content_text(content: Any) -> tuple[str | None, str]:
+    """A message's plain text, or None and the skip reason: a string, or OpenAI-style content parts.
+
+    Text parts are joined and parts of other types (images, audio) dropped, so mixed text and image parts keep their
+    text. A turn that had parts but is left with no text is `non_text_content`: training on it would teach replies
+    to an input the draft never sees (an empty user turn answered at length)."""
     if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        texts = [p.get("text") for p in content if p.get("type", "text") == "text"]
-        if all(isinstance(t, str) for t in texts):
-            return "".join(texts)
-    return None
+        return content, ""
+    if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
+        return None, "bad_field"
+    texts = [p.get("text") for p in content if p.get("type", "text") == "text"]
+    if not all(isinstance(t, str) for t in texts):
+        return None, "bad_field"
+    text = "".join(texts)
+    if len(texts) < len(content) and not text.strip():
+        return None, "non_text_content"
+    return text, ""
+
+
+def _record_id(obj: dict[str, Any], messages: list[dict[str, str]]) -> str | None:
+    """The record's own id, typed so that `7` and `"7"` stay two records; a hash of the messages if it has none.
+
+    A string id is used as written (so its held-out hash is what it always was); an integer id gets a `:int` suffix.
+    An empty string or a boolean names nothing and is passed over. None if the id holds a lone surrogate."""
+    for key in ID_KEYS:
+        value = obj.get(key)
+        if isinstance(value, str) and value.strip():
+            return None if _SURROGATE.search(value) else value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return f"{value}:int"
+    return hashlib.sha1(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def normalize_record(obj: Any, source: str, origin: str, report: SkipReport) -> Conversation | None:
     """ShareGPT (`conversations` of from/value) or OpenAI/UltraChat (`messages` of role/content) -> Conversation."""
     if not isinstance(obj, dict):
-        report.skip("not_an_object", origin)
+        report.skip("not_an_object", f"{origin} ({type(obj).__name__})")
         return None
     if "conversations" in obj:
         turns, role_key, text_key = obj["conversations"], "from", "value"
     elif "messages" in obj:
         turns, role_key, text_key = obj["messages"], "role", "content"
     else:
-        report.skip("no_conversations_or_messages_field", f"{origin} keys={sorted(obj)[:6]}")
+        keys = [str(k)[:40] for k in sorted(obj)[:6]]  # a hostile file's keys may be megabytes long
+        report.skip("no_conversations_or_messages_field", f"{origin} keys={keys}")
         return None
     if not isinstance(turns, list):
         report.skip("bad_field", f"{origin} field=conversations/messages is {type(turns).__name__}")
@@ -105,20 +135,26 @@ def normalize_record(obj: Any, source: str, origin: str, report: SkipReport) -> 
             report.skip("bad_field", f"{origin} turn {n} is {type(turn).__name__}")
             return None
         raw_role = turn.get(role_key, turn.get("role", turn.get("from")))
-        role = ROLES.get(str(raw_role).lower()) if raw_role is not None else None
+        role = ROLES.get(raw_role.lower()) if isinstance(raw_role, str) else None
         if role is None:
-            report.skip("unknown_role", f"{origin} turn {n} role={raw_role!r}")
+            # Only a string is quoted: a nested value's repr could be huge or too deep to print.
+            shown = repr(raw_role[:40]) if isinstance(raw_role, str) else type(raw_role).__name__
+            report.skip("unknown_role", f"{origin} turn {n} role={shown}")
             return None
-        text = _content_text(turn.get(text_key, turn.get("content", turn.get("value"))))
+        text, reason = _content_text(turn.get(text_key, turn.get("content", turn.get("value"))))
         if text is None:
-            report.skip("bad_field", f"{origin} turn {n} field={text_key} is not text")
+            what = "has only non-text parts" if reason == "non_text_content" else f"field={text_key} is not text"
+            report.skip(reason, f"{origin} turn {n} {what}")
+            return None
+        if _SURROGATE.search(text):
+            report.skip("lone_surrogate", f"{origin} turn {n}")
             return None
         messages.append({"role": role, "content": text})
     if not any(m["role"] == "assistant" for m in messages):
         report.skip("no_assistant_turn", origin)
         return None
-    id_keys = ("id", "prompt_id", "conversation_id")
-    record_id = next((obj[k] for k in id_keys if isinstance(obj.get(k), (str, int))), None)
-    if record_id is None:
-        record_id = hashlib.sha1(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
-    return Conversation(id=f"{source}:{record_id}", messages=tuple(messages), origin=origin)
+    rid = _record_id(obj, messages)
+    if rid is None:
+        report.skip("lone_surrogate", f"{origin} id")
+        return None
+    return Conversation(id=f"{source}:{rid}", messages=tuple(messages), origin=origin)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ class SourceConfig(Section):
     subset: str | None = None
     split: str = "train"
     streaming: bool = Field(False, description="Stream a hub dataset: takes the first max_records, unshuffled.")
-    weight: float = Field(1.0, gt=0, description="Relative share when the mix sets total_records.")
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False, description="Relative share when the mix sets total_records.")
     max_records: int | None = Field(None, gt=0, description="Cap on records taken from this source.")
 
     @model_validator(mode="after")
@@ -36,7 +37,9 @@ class SourceConfig(Section):
 
 class MixConfig(Section):
     seed: int = 0
-    total_records: int | None = Field(None, gt=0, description="If set, split across sources by weight.")
+    total_records: int | None = Field(
+        None, gt=0, le=2**53, description="If set, split across sources by weight (at most 2**53: exact as a float)."
+    )
     sources: list[SourceConfig] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -44,6 +47,10 @@ class MixConfig(Section):
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise ValueError(f"source names must be unique, got {names}")
+        # Each quota is total_records * weight / (sum of weights), in floats: refuse numbers that overflow them.
+        weights = [s.weight for s in self.sources]
+        if not (math.isfinite(sum(weights)) and math.isfinite((self.total_records or 1) * max(weights))):
+            raise ValueError("total_records and source weights are too large to compute shares with; scale them down")
         return self
 
 
@@ -64,7 +71,7 @@ def read_source(mix: MixConfig, source: SourceConfig, report: SkipReport) -> lis
         path = mix.resolve_path(source.path, f"sources.{source.name}.path")
         raw = read_file(path, report, label=source.path)
     else:
-        raw = read_datasets(source.hub, source.subset, source.split, report, streaming=source.streaming)
+        raw = read_datasets(source.hub, source.subset, source.split, streaming=source.streaming)
     seen: set[str] = set()
     out: list[Conversation] = []
     for record, origin in raw:

@@ -11,11 +11,16 @@ mapped to tokens through the fast tokenizer's offsets.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from speculators_train.data.conversations import Conversation, SkipReport
+
+# A rendered text longer than this many head windows (`max_length + 1` tokens of the longest length) is tokenised by
+# its head alone; shorter ones whole, in the one batched call.
+LONG_TEXT_FACTOR = 4
 
 
 @dataclass
@@ -68,7 +73,9 @@ def render_many(
 ) -> list[Sample | None]:
     """Tokenise conversations (one tokenizer call, which a fast tokenizer spreads over all cores).
 
-    Over-long samples are truncated or dropped by setting; each skip is counted in `report`."""
+    Over-long samples are truncated or dropped by setting; each skip is counted in `report`. A text far longer than
+    `max_length` tokens can span is tokenised by its head alone (`_head_tokens`): a 50 MB record costs the
+    tokenizer what a short one does, not gigabytes of per-token offsets."""
     texts: list[str | None] = []
     for conv in convs:
         try:
@@ -76,18 +83,53 @@ def render_many(
         except Exception as exc:  # jinja raises TemplateError for e.g. non-alternating roles
             _template_error(report, conv, exc)
             texts.append(None)
+    need = max_length + 1  # one token past the cut says where the cut falls
     rendered = [t for t in texts if t is not None]
-    encoded = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True) if rendered else None
+    long_chars = LONG_TEXT_FACTOR * need * _longest_token(tokenizer) if rendered else 0
+    short = [t for t in rendered if len(t) <= long_chars]
+    encoded = tokenizer(short, add_special_tokens=False, return_offsets_mapping=True) if short else None
     out: list[Sample | None] = []
     k = 0
     for conv, text in zip(convs, texts, strict=True):
         if text is None:
             out.append(None)
             continue
-        ids, offsets = encoded["input_ids"][k], encoded["offset_mapping"][k]
-        k += 1
-        out.append(_sample(conv, tokenizer, text, ids, offsets, max_length, overlong, report))
+        if len(text) <= long_chars:
+            ids, offsets, complete = encoded["input_ids"][k], encoded["offset_mapping"][k], True
+            k += 1
+        else:
+            ids, offsets, complete = _head_tokens(tokenizer, text, need)
+        out.append(_sample(conv, tokenizer, text, ids, offsets, complete, max_length, overlong, report))
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _longest_token(tokenizer) -> int:
+    """Characters spelled by the vocabulary's longest token. A byte-level or SentencePiece token spells each byte or
+    character it covers, so `n` tokens rarely span more than `n` times this: the first window `_head_tokens` tries."""
+    return max(len(token) for token in tokenizer.get_vocab())
+
+
+def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return encoding["input_ids"], encoding["offset_mapping"]
+
+
+def _head_tokens(tokenizer, text: str, need: int) -> tuple[list[int], list[tuple[int, int]], bool]:
+    """The first `need` tokens of `text` and their offsets, and whether they are all of its tokens, from prefixes.
+
+    A prefix tokenises as the whole text does except next to its cut (a merge or pre-token split that the missing
+    characters would change), so prefixes of doubling length are tokenised until two agree on the first `need`
+    tokens, or until the prefix is the whole text. Time and memory follow `need`, not the text's length."""
+    window = need * _longest_token(tokenizer)
+    ids, offsets = _encode(tokenizer, text[:window])
+    while window < len(text):
+        window *= 2
+        wider_ids, wider_offsets = _encode(tokenizer, text[:window])
+        if len(ids) > need and ids[:need] == wider_ids[:need] and offsets[:need] == wider_offsets[:need]:
+            return ids[:need], offsets[:need], False
+        ids, offsets = wider_ids, wider_offsets
+    return ids, offsets, True
 
 
 def _sample(
@@ -96,14 +138,18 @@ def _sample(
     text: str,
     ids: list[int],
     offsets: list[tuple[int, int]],
+    complete: bool,
     max_length: int,
     overlong: str,
     report: SkipReport,
 ) -> Sample | None:
-    """One encoded conversation: truncate or drop, then mask the assistant spans inside what is kept."""
+    """One encoded conversation: truncate or drop, then mask the assistant spans inside what is kept.
+
+    `ids` are all the text's tokens if `complete`, else only its first `max_length + 1` (it is over-long)."""
     if len(ids) > max_length:
         if overlong == "drop":
-            report.skip("overlong", f"{conv.origin} ({len(ids)} > {max_length} tokens)")
+            size = f"{len(ids)} > {max_length} tokens" if complete else f"over {max_length} tokens, {len(text):,} chars"
+            report.skip("overlong", f"{conv.origin} ({size})")
             return None
         ids, limit = ids[:max_length], offsets[max_length][0]
     else:
