@@ -14,7 +14,8 @@ import pytest
 
 from speculators_train.cli import main
 from speculators_train.errors import UserError
-from speculators_train.osd.ingest import LogIngestor, Redactor
+from speculators_train.osd.ingest import LogIngestor
+from speculators_train.osd.redact import Redactor
 
 from .conftest import SHAREGPT, make_recipe
 
@@ -139,7 +140,8 @@ def test_secrets_and_personal_data_are_redacted_before_anything_is_stored(tmp_pa
 WORKER = """
 import os, signal, sys
 from pathlib import Path
-from speculators_train.osd.ingest import LogIngestor, Redactor
+from speculators_train.osd.ingest import LogIngestor
+from speculators_train.osd.redact import Redactor
 
 die_at, events = int(sys.argv[3]), 0
 

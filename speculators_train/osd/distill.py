@@ -4,11 +4,11 @@ the draft's family scores, distils and exports it, through the trainer's own tra
 
     <run dir>/osd/ingest/...            exactly-once log ingestion (osd/ingest.py)
     <run dir>/osd/general.json          the general suite every version is held to (eval.suites, target-answered)
-    <run dir>/osd/progress.json         entries consumed, records seen, current version (the commit point)
+    <run dir>/osd/progress.json         records consumed and seen, version, history lines: the commit point
     <run dir>/osd/versions/vNNNN/       checkpoint/ (ours) and the export in the recipe's export.format
     <run dir>/osd/trainee/step-NNNNNN/  the draft in training and its optimizer, after update NNNNNN
     <run dir>/osd/current -> versions/vNNNN     replaced atomically on promotion
-    <run dir>/osd/history.jsonl         one line per update: acceptance before/after, promoted or why not
+    <run dir>/osd/history.jsonl         one line per window: acceptance before/after, promoted or why not
     <run dir>/osd/acceptance.png        acceptance length vs records seen
     <run dir>/osd/wandb/                the same metrics per window (training.wandb settings; offline by default)
 
@@ -21,6 +21,10 @@ The draft in training (the trainee) is not reset to the deployed version after e
 across windows with its optimizer state, as online distillation does, and each update offers it to the gate. A
 refused candidate's steps are not lost; after `restart_after_refusals` refusals in a row it restarts from the
 deployed version, so a run that went wrong cannot block promotions for good.
+
+A kill -9 at any moment loses and repeats nothing: a window's version, trainee and history line are written before
+progress.json names them, and a restart drops what it does not name (a version beyond the committed one, history lines
+past the committed count, a half-written last line) and redoes the window.
 """
 
 from __future__ import annotations
@@ -45,9 +49,11 @@ from speculators_train.families import get
 from speculators_train.families.base import Family, LoadedDraft
 from speculators_train.families.drafts import check_fits, load_checkpoint, load_draft
 from speculators_train.families.objective import predicted_al_key, summarize
-from speculators_train.files import atomic_write_json, read_json
+from speculators_train.files import atomic_write_bytes, atomic_write_json
 from speculators_train.hidden_states.generator import process_chunk
-from speculators_train.osd.ingest import IngestStats, LogIngestor, Redactor
+from speculators_train.loading import read_json
+from speculators_train.osd.ingest import IngestStats, LogIngestor
+from speculators_train.osd.redact import Redactor
 from speculators_train.recipe import Recipe
 from speculators_train.target import StateSpec, Target, TargetHead, load_target
 from speculators_train.tracking import init_wandb
@@ -168,8 +174,10 @@ class OnlineDistiller:
             self._save_version(0, self.draft)
             # The general suite is held to the deployed draft's level, so small losses cannot pile up over versions.
             baseline = self._general(self.draft)
-            self.progress = {"consumed": 0, "records_seen": 0, "version": 0, "updates": 0, "general_baseline": baseline}
+            self.progress = {"consumed": 0, "records_seen": 0, "version": 0, "updates": 0, "history_lines": 0}
+            self.progress["general_baseline"] = baseline
             atomic_write_json(progress, self.progress)
+        self._drop_uncommitted()
         self.trainee, self.optimizer = self._load_trainee()
         self.held_out: list[Sample] = []
         self.buffer = Buffer(self.cfg.buffer_size)
@@ -277,6 +285,21 @@ class OnlineDistiller:
         self._point_current(version)
         return directory
 
+    def _drop_uncommitted(self) -> None:
+        """Remove what a killed run wrote past the commit point: versions beyond the committed one, `current` links
+        never renamed into place, and history lines past the committed count (a half-written last one included)."""
+        for directory in (self.root / "versions").glob("v*"):
+            if directory.name[1:].isdigit() and int(directory.name[1:]) > self.progress["version"]:
+                shutil.rmtree(directory)
+        for link in self.root.glob(".current-*"):
+            link.unlink()
+        history = self.root / "history.jsonl"
+        lines = history.read_bytes().split(b"\n") if history.is_file() else [b""]
+        # A progress.json written before history lines were counted committed every complete line.
+        kept = lines[: self.progress.setdefault("history_lines", len(lines) - 1)]
+        if len(kept) < len(lines) - 1 or lines[-1]:
+            atomic_write_bytes(history, b"".join(line + b"\n" for line in kept))
+
     def _point_current(self, version: int) -> None:
         """Re-point `current` atomically (a symlink renamed over the old one)."""
         link = self.root / f".current-{os.getpid()}"
@@ -340,9 +363,12 @@ class OnlineDistiller:
             self.progress["trainee"] = updates
         self.progress["consumed"] += len(entries)
         self.progress["records_seen"] = record["records_seen"]
-        atomic_write_json(self.root / "progress.json", self.progress)
-        with open(self.root / "history.jsonl", "a") as fh:
+        with open(self.root / "history.jsonl", "a") as fh:  # before the commit: a restart drops it unless committed
             fh.write(json.dumps(record) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        self.progress["history_lines"] += 1
+        atomic_write_json(self.root / "progress.json", self.progress)
         return record
 
     def _update(self) -> dict[str, Any]:

@@ -1,0 +1,652 @@
+"""Hostile input for OSD log ingestion: secrets in every place a log line can put them, text that would make a
+backtracking regex quadratic, lines nested or sized to break a parser, and every way log rotation moves or cuts a file
+(rename, copytruncate, truncation, inode reuse), also with kill -9 at every event of a pass. Each case is one entry of
+the hostile-input catalogue."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from speculators_train.errors import UserError
+from speculators_train.osd import redact
+from speculators_train.osd.ingest import LogIngestor
+from speculators_train.osd.redact import RULES, Redactor
+
+from ..conftest import SHAREGPT, make_recipe
+from .conftest import clean_error
+
+
+def line(i: int, text: str = "Sort a list in Python?") -> str:
+    """A log line with a unique id (its number) and a body long enough to make files span several KB."""
+    return json.dumps({"id": i, "messages": [{"role": "user", "content": f"{text} #{i}"}], "response": "x" * 150})
+
+
+def write(path: Path, lines: list[str], mode: str = "w") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, mode) as fh:
+        fh.writelines(item + "\n" for item in lines)
+
+
+def ingestor(logs: Path, root: Path, **options) -> LogIngestor:
+    return LogIngestor(logs, root, Redactor([], True), options.pop("commit_every", 256), **options)
+
+
+def stored(root: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted(root.rglob("*")) if p.is_file())
+
+
+def ids_once(ing: LogIngestor) -> list[int]:
+    """The record ids stored, each asserted to be stored once, with unique origins."""
+    entries = list(ing.entries())
+    origins = Counter(e["origin"] for e in entries)
+    assert max(origins.values(), default=1) == 1, [o for o, n in origins.items() if n > 1]
+    ids = Counter(int(e["id"].split(":")[1]) for e in entries if "id" in e)
+    assert max(ids.values(), default=1) == 1, [i for i, n in ids.items() if n > 1]
+    return sorted(ids)
+
+
+def in_child(code: str, timeout: float) -> str:
+    """Run `code` in a fresh interpreter; a hang fails the test at `timeout` instead of stalling the suite."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {timeout} s")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Redaction: each secret, in a message and in a quarantined (invalid JSON) line, never reaches the disk.
+
+JWT = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"
+AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+SECRETS = [  # (id, text holding it, the secret, the label left)
+    ("email", "mail alice@example.com now", "alice@example.com", "[EMAIL]"),
+    (
+        "email_end_of_sentence",
+        "write to bob.smith+osd@mail.example.co.uk.",
+        "bob.smith+osd@mail.example.co.uk",
+        "[EMAIL]",
+    ),
+    ("email_behind_another_at", "x@carol@example.org", "carol@example.org", "[EMAIL]"),
+    ("aws_access_key_id", "key AKIAIOSFODNN7EXAMPLE set", "AKIAIOSFODNN7EXAMPLE", "[AWS_KEY_ID]"),
+    ("aws_temporary_key_id", "ASIAY34FZKBOKMUTVV7A", "ASIAY34FZKBOKMUTVV7A", "[AWS_KEY_ID]"),
+    ("aws_secret_ini", f"aws_secret_access_key = {AWS_SECRET}", AWS_SECRET, "[AWS_SECRET]"),
+    ("aws_secret_env", f"export AWS_SECRET_ACCESS_KEY={AWS_SECRET}", AWS_SECRET, "[AWS_SECRET]"),
+    ("aws_secret_sts_json", f'{{"SecretAccessKey": "{AWS_SECRET}"}}', AWS_SECRET, "[AWS_SECRET]"),
+    ("github_fine_grained_pat", "github_pat_11ABCDEFG0" + "a1B2c3D4e5" * 8, "a1B2c3D4e5" * 8, "[GITHUB_TOKEN]"),
+    ("github_ghp", "token ghp_" + "Ab3" * 12, "Ab3" * 12, "[GITHUB_TOKEN]"),
+    ("github_gho", "gho_" + "Zx9" * 12, "Zx9" * 12, "[GITHUB_TOKEN]"),
+    ("github_ghs", "ghs_" + "Qw7" * 12, "Qw7" * 12, "[GITHUB_TOKEN]"),
+    ("jwt", f"cookie={JWT};", JWT, "[JWT]"),
+    ("password_query", "login?user=bob&password=hunter2&x=1", "hunter2", "[PASSWORD]"),
+    ("passwd_colon", "passwd: s3cr3t-Pa55", "s3cr3t-Pa55", "[PASSWORD]"),
+    ("pwd_equals", "mysql -u root pwd=Tr0ub4dor", "Tr0ub4dor", "[PASSWORD]"),
+    ("password_json", '{"user": "bob", "password": "correct horse battery"}', "correct horse", "[PASSWORD]"),
+    ("password_env", "DB_PASSWORD='p@ss w0rd!'", "w0rd!", "[PASSWORD]"),
+    ("authorization_basic", "Authorization: Basic dXNlcjpodW50ZXIy", "dXNlcjpodW50ZXIy", "[AUTH]"),
+    ("authorization_json", '{"Authorization": "Basic dXNlcjpodW50ZXIy"}', "dXNlcjpodW50ZXIy", "[AUTH]"),
+    ("proxy_authorization", "Proxy-Authorization: Digest 9f86d081884c7d659a2feaa0c55ad015", "9f86d0818", "[AUTH]"),
+    ("authorization_bearer", "authorization: Bearer abcdefghijklmnop123", "abcdefghijklmnop123", "[AUTH]"),
+    ("bearer_alone", "use bearer abcdefghijklmnopqrstuv0", "abcdefghijklmnopqrstuv0", "[BEARER]"),
+    ("openai_key", "sk-proj-" + "A1b2C3d4" * 4, "A1b2C3d4" * 4, "[API_KEY]"),
+    ("slack_token", "xoxb-123456789012-abcdefghijklmnop", "abcdefghijklmnop", "[API_KEY]"),
+    ("huggingface_token", "hf_" + "aBcD" * 8, "aBcD" * 8, "[API_KEY]"),
+]
+
+
+@pytest.mark.parametrize("where", ["message", "quarantined_line"])
+@pytest.mark.parametrize(("text", "secret", "label"), [c[1:] for c in SECRETS], ids=[c[0] for c in SECRETS])
+def test_each_secret_is_redacted_before_it_is_stored(tmp_path, where, text, secret, label):
+    logs = tmp_path / "logs"
+    record = {"id": 1, "messages": [{"role": "user", "content": f"before {text} after"}], "response": "ok"}
+    raw = json.dumps(record)
+    write(logs / "a.jsonl", [raw if where == "message" else raw[:-3]])  # cut short: invalid JSON, quarantined
+    ing = ingestor(logs, tmp_path / "state")
+    stats = ing.run()
+    assert (stats.records, stats.quarantined) == ((1, 0) if where == "message" else (0, 1))
+    on_disk = stored(tmp_path / "state")
+    assert secret not in on_disk and json.dumps(secret)[1:-1] not in on_disk
+    (entry,) = ing.entries()
+    assert label in (entry["messages"][0]["content"] if where == "message" else entry["raw"])
+
+
+ESCAPED = [  # (id, the line as logged, the secret, the label left) - JSON escapes must not hide a secret
+    (
+        "unicode_escaped_at_in_broken_line",
+        r'{"prompt": "mail zqxeve\u0040example.com", "completion": ',
+        "zqxeve",
+        "[EMAIL]",
+    ),
+    (
+        "escaped_dot_and_slash_in_broken_line",
+        r'{"prompt": "zqxeve\u0040example\u002ecom \/ x", "oops',
+        "zqxeve",
+        "[EMAIL]",
+    ),
+    ("escaped_quotes_hide_a_password", r'{"prompt": "cfg {\"password\": \"hunter2\"}", "oops', "hunter2", "[PASSWORD]"),
+    (
+        "double_escaped_at_in_a_message",
+        r'{"prompt": "zqxeve\\u0040example.com", "completion": "ok"}',
+        "zqxeve",
+        "[EMAIL]",
+    ),
+    (
+        "escaped_email_as_record_id",
+        r'{"id": "zqxeve\u0040example.com", "prompt": "hi", "completion": "ok"}',
+        "zqxeve",
+        "[EMAIL]",
+    ),
+]
+
+
+@pytest.mark.parametrize(("raw", "secret", "label"), [c[1:] for c in ESCAPED], ids=[c[0] for c in ESCAPED])
+def test_json_escapes_do_not_hide_a_secret(tmp_path, raw, secret, label):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "a.jsonl").write_text(raw + "\n")
+    ingestor(logs, tmp_path / "state").run()
+    on_disk = stored(tmp_path / "state")
+    assert secret not in on_disk and label in on_disk
+
+
+@pytest.mark.parametrize("key", ["id", "request_id"])
+def test_a_record_id_holding_an_email_is_redacted(tmp_path, key):
+    logs = tmp_path / "logs"
+    write(logs / "a.jsonl", [json.dumps({key: "alice@example.com-42", "prompt": "hi", "completion": "ok"})])
+    ing = ingestor(logs, tmp_path / "state")
+    ing.run()
+    assert [c.id for c in ing.conversations()] == ["logs:[EMAIL]-42"]
+    assert "alice" not in stored(tmp_path / "state")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "task_scheduler_configuration = load()",  # `sk_` inside an identifier
+        "a basic understanding of recursion",  # `basic` is not a credential without Authorization
+        "the bearer of bad news",  # too short to be a token
+        "sha256 e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+        "ssh user@localhost",  # no domain suffix: not an address
+        "AKIA is how AWS key ids start",
+    ],
+    ids=["identifier_with_sk_", "basic_in_prose", "bearer_in_prose", "hex_digest", "user_at_localhost", "akia_word"],
+)
+def test_ordinary_text_is_left_alone(text):
+    assert Redactor([], True)(text) == text
+
+
+def test_the_documented_list_names_every_builtin_rule():
+    """The README points at the module docstring: it must list every rule, with its label, in the order they run."""
+    doc = redact.__doc__
+    positions = [doc.index(f"    {rule.name} ") for rule in RULES]
+    assert positions == sorted(positions)
+    for rule in RULES:
+        assert rule.label in doc.split(f"    {rule.name} ", 1)[1].split("\n", 1)[0], rule.name
+
+
+# Adversarial texts for a backtracking engine: long runs of what a pattern's unbounded part accepts, each retried
+# from every start position by a naive pattern before it fails on a missing literal.
+ADVERSARIAL = {
+    "local_part_run": "'a' * n",  # the old e-mail regex: 200 KB took 47 s
+    "hex_token": "os.urandom(n // 2).hex()",
+    "base64_token": "base64.b64encode(os.urandom(n * 3 // 4)).decode()",
+    "at_signs": "'a@' * (n // 2)",
+    "domain_dots": "'x@' + '.ab' * (n // 3)",
+    "jwt_starts": "'eyJ' * (n // 3)",
+    "api_key_prefixes": "'sk-' * (n // 3)",
+    "password_labels": "'password=' * (n // 9)",
+    "bearer_then_spaces": "'bearer' + ' ' * n + 'x'",
+    "json_escapes": "'\\\\u0040' * (n // 6)",
+    "secret_labels": "'secret_key=' * (n // 11)",
+    "authorization_labels": "'Authorization:' * (n // 14)",
+}
+
+
+def test_builtin_redaction_takes_linear_time_on_adversarial_text():
+    """Each adversarial text at 1 MB and 4 MB: time grows about 4x (a quadratic rule would take 16x, and hours)."""
+    code = f"""
+import base64, json, os, time
+from speculators_train.osd.redact import Redactor
+redact, out = Redactor([], True), {{}}
+for name, make in {ADVERSARIAL!r}.items():
+    times = []
+    for n in (1 << 20, 4 << 20):
+        text = eval(make)
+        start = time.perf_counter()
+        redact(text)
+        times.append(time.perf_counter() - start)
+    out[name] = times
+print(json.dumps(out))
+"""
+    times = json.loads(in_child(code, timeout=240))
+    for name, (small, large) in times.items():
+        assert large < 20, (name, small, large)
+        assert large / max(small, 0.05) < 8, (name, small, large)
+
+
+def test_a_20_mb_token_line_is_ingested_in_linear_time(tmp_path):
+    """One 20 MB hex token inside a message (plus base64 and ordinary lines) goes through a whole pass quickly."""
+    code = f"""
+import base64, json, os, time
+from pathlib import Path
+from speculators_train.osd.ingest import LogIngestor
+from speculators_train.osd.redact import Redactor
+logs = Path({str(tmp_path / "logs")!r})
+logs.mkdir()
+token = os.urandom(10 << 20).hex()
+lines = [
+    {{"messages": [{{"role": "user", "content": "checksum " + token}}], "response": "ok"}},
+    {{"messages": [{{"role": "user", "content": base64.b64encode(os.urandom(6 << 20)).decode()}}], "response": "ok"}},
+    {{"messages": [{{"role": "user", "content": "hi alice@example.com"}}], "response": "hello"}},
+]
+(logs / "a.jsonl").write_text("".join(json.dumps(x) + "\\n" for x in lines))
+start = time.perf_counter()
+stats = LogIngestor(logs, Path({str(tmp_path / "state")!r}), Redactor([], True)).run()
+print(json.dumps([stats.records, time.perf_counter() - start]))
+"""
+    records, seconds = json.loads(in_child(code, timeout=120))
+    assert records == 3 and seconds < 60
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Lines built to break a parser or memory: quarantined with a reason, never a crash.
+
+HOSTILE_LINES = [  # (id, the line's bytes, None for a record or the quarantine reason's start)
+    ("array_nested_100k_deep", b"[" * 100_000 + b"]" * 100_000, "invalid_json: nested too deeply"),
+    (
+        "content_nested_100k_deep",
+        b'{"messages": [{"role": "user", "content": ' + b"[" * 100_000 + b"]" * 100_000 + b'}], "response": "y"}',
+        "invalid_json: nested too deeply",
+    ),
+    ("integer_of_5000_digits", b'{"prompt": "x", "completion": "y", "n": ' + b"7" * 5000 + b"}", "invalid_json"),
+    ("lone_surrogate", b'{"prompt": "\\ud800 x", "completion": "y"}', "lone_surrogate"),
+    ("invalid_utf8", b'{"prompt": "\xff\xfe", "completion": "y"}', "invalid_json"),
+    ("nul_bytes", b'\x00\x00{"prompt": "x", "completion": "y"}', "invalid_json"),
+    ("top_level_string", b'"just a string"', "not_an_object"),
+    ("crlf_line_end", b'{"prompt": "x", "completion": "y"}\r', None),
+    ("byte_order_mark", b'\xef\xbb\xbf{"prompt": "x", "completion": "y"}', None),
+    ("nan_in_an_unused_field", b'{"prompt": "x", "completion": "y", "score": NaN}', None),
+]
+
+
+@pytest.mark.parametrize(("raw", "reason"), [c[1:] for c in HOSTILE_LINES], ids=[c[0] for c in HOSTILE_LINES])
+def test_a_hostile_line_is_quarantined_with_its_reason_and_the_next_line_is_read(tmp_path, raw, reason):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "a.jsonl").write_bytes(raw + b"\n" + line(1).encode() + b"\n")
+    ing = ingestor(logs, tmp_path / "state")
+    stats = ing.run()
+    entries = list(ing.entries())
+    assert stats.records == (2 if reason is None else 1) and "id" in entries[-1]
+    if reason is not None:
+        assert entries[0]["quarantined"].startswith(reason), entries[0]["quarantined"]
+        assert entries[0]["origin"] == "a.jsonl:1"
+
+
+def test_a_line_over_the_length_limit_is_quarantined_without_its_text(tmp_path):
+    logs = tmp_path / "logs"
+    write(logs / "a.jsonl", [line(0), json.dumps({"prompt": "alice@example.com " * 400, "completion": "y"}), line(1)])
+    ing = ingestor(logs, tmp_path / "state", max_line_bytes=4000)
+    stats = ing.run()
+    assert (stats.records, stats.reasons) == (2, {"line_too_long": 1})
+    too_long = next(e for e in ing.entries() if "quarantined" in e)
+    assert too_long["origin"] == "a.jsonl:2" and too_long["raw"] == ""
+    assert "alice" not in stored(tmp_path / "state")
+    assert ids_once(ing) == [0, 1]
+
+
+def test_big_lines_are_committed_by_size_not_only_by_count(tmp_path):
+    """A batch of 256 lines of 20 MB would hold 5 GB in memory: commits also come every `commit_bytes`."""
+    logs = tmp_path / "logs"
+    write(logs / "a.jsonl", [line(i, "y" * 3000) for i in range(10)])
+    ing = ingestor(logs, tmp_path / "state", commit_bytes=6000)
+    ing.run()
+    assert len(ing.state["segments"]) == 5 and ids_once(ing) == list(range(10))
+
+
+def test_a_run_directory_inside_the_logs_is_not_ingested(tmp_path):
+    logs = tmp_path / "logs"
+    write(logs / "a.jsonl", [line(0)])
+    ingestor(logs, logs / "run" / "ingest").run()
+    ing = ingestor(logs, logs / "run" / "ingest")
+    stats = ing.run()
+    assert (stats.files, stats.records, stats.quarantined) == (1, 0, 0)
+    assert (ing.state["records"], ing.state["quarantined"]) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '["not", "a", "state"]',
+        '{"files": [], "segments": [], "records": 0, "quarantined": 0}',
+        '{"version": 9, "files": {}, "segments": [], "records": 0, "quarantined": 0}',
+        '{"version": 2, "files": {}, "segments": [], "records": 0, "quarantined": 0, "retired": []}',
+    ],
+    ids=["a_list", "files_not_an_object", "unknown_version", "version_2_without_names"],
+)
+def test_a_damaged_state_file_is_refused_with_its_name(tmp_path, content, capsys):
+    logs = tmp_path / "logs"
+    write(logs / "a.jsonl", [line(0)])
+    recipe = make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}])
+    state = tmp_path / "run" / "osd" / "ingest" / "state.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(content)
+    with pytest.raises(UserError, match=r"state\.json: ingestion state (is damaged|of an unknown version)"):
+        ingestor(logs, state.parent)
+    clean_error(["osd", recipe, "--logs", logs, "--ingest-only"], capsys, "ingestion state")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Rotation and truncation: every line stored exactly once, with a unique origin.
+
+
+def test_truncated_and_regrown_past_the_old_offset_with_the_same_start_loses_nothing(tmp_path):
+    """The new content repeats the first 6 KB (more than the head fingerprint covers), then differs: only the bytes
+    before the committed offset tell the rewrite apart."""
+    logs = tmp_path / "logs"
+    first = [line(i) for i in range(40)]
+    write(logs / "a.jsonl", first)
+    ingestor(logs, tmp_path / "state").run()
+    write(logs / "a.jsonl", first[:30] + [line(i) for i in range(100, 120)])  # same inode, truncated and rewritten
+    ing = ingestor(logs, tmp_path / "state")
+    stats = ing.run()
+    assert "rotated or rewritten" in stats.notes[0]
+    assert stats.records == 50 and sorted(Counter(ids_once_all(ing)).values()) == [1] * 30 + [2] * 30
+    assert {e["origin"] for e in ing.entries()} >= {"a.jsonl:40", "a.jsonl#2:1", "a.jsonl#2:50"}
+
+
+def ids_once_all(ing: LogIngestor) -> list[int]:
+    """Record ids, repeats allowed (a rewritten file may legitimately log a line again), origins unique."""
+    entries = list(ing.entries())
+    assert len({e["origin"] for e in entries}) == len(entries)
+    return [int(e["id"].split(":")[1]) for e in entries if "id" in e]
+
+
+def test_truncated_and_regrown_with_a_new_start_is_read_from_the_start(tmp_path):
+    logs = tmp_path / "logs"
+    write(logs / "a.jsonl", [line(i) for i in range(10)])
+    ingestor(logs, tmp_path / "state").run()
+    write(logs / "a.jsonl", [line(i) for i in range(100, 130)])
+    ing = ingestor(logs, tmp_path / "state")
+    assert ing.run().records == 30 and ids_once(ing) == list(range(10)) + list(range(100, 130))
+
+
+@pytest.mark.parametrize("rotated", ["a.jsonl.1", "a.jsonl-20250101", "old/a.jsonl.1", "a-2025-01-01.jsonl"])
+def test_rename_rotation_keeps_the_lines_appended_before_the_rename(tmp_path, rotated):
+    """Lines appended after the last pass live only in the renamed file; a new `a.jsonl` starts after it. Renamed to
+    another `*.jsonl` name, the old file is not read again from its start."""
+    logs = tmp_path / "logs"
+    write(logs / "a.jsonl", [line(i) for i in range(10)])
+    ingestor(logs, tmp_path / "state").run()
+    write(logs / "a.jsonl", [line(i) for i in range(10, 13)], "a")
+    (logs / rotated).parent.mkdir(exist_ok=True)
+    os.rename(logs / "a.jsonl", logs / rotated)
+    write(logs / "a.jsonl", [line(i) for i in range(13, 16)])
+    ing = ingestor(logs, tmp_path / "state")
+    assert ing.run().records == 6 and ids_once(ing) == list(range(16))
+    origins = {e["origin"] for e in list(ing.entries())[10:]}
+    assert origins == {f"{rotated}:11", f"{rotated}:12", f"{rotated}:13", "a.jsonl#2:1", "a.jsonl#2:2", "a.jsonl#2:3"}
+
+
+def test_two_rename_rotations_give_every_origin_once(tmp_path):
+    logs = tmp_path / "logs"
+    n = 0
+    for _ in range(3):
+        write(logs / "a.jsonl", [line(i) for i in range(n, n + 4)], "a")
+        n += 4
+        ingestor(logs, tmp_path / "state").run()
+        write(logs / "a.jsonl", [line(i) for i in range(n, n + 2)], "a")
+        n += 2
+        if (logs / "a.jsonl.1").exists():
+            os.rename(logs / "a.jsonl.1", logs / "a.jsonl.2")
+        os.rename(logs / "a.jsonl", logs / "a.jsonl.1")
+    ing = ingestor(logs, tmp_path / "state")
+    ing.run()
+    assert ids_once(ing) == list(range(n))
+    assert "a.jsonl.1#2:5" in {e["origin"] for e in ing.entries()}
+
+
+def copytruncate(logs: Path, name: str = "a.jsonl", copy: str = "a.jsonl.1") -> None:
+    shutil.copyfile(logs / name, logs / copy)
+    os.truncate(logs / name, 0)
+
+
+@pytest.mark.parametrize("lines", [10, 80], ids=["small_file", "file_over_the_fingerprint_windows"])
+def test_copytruncate_reads_the_lines_that_only_the_copy_holds(tmp_path, lines):
+    logs = tmp_path / "logs"
+    write(logs / "a.jsonl", [line(i) for i in range(lines)])
+    ingestor(logs, tmp_path / "state").run()
+    write(logs / "a.jsonl", [line(i) for i in range(lines, lines + 3)], "a")
+    copytruncate(logs)
+    write(logs / "a.jsonl", [line(i) for i in range(lines + 3, lines + 5)], "a")  # the writer goes on
+    ing = ingestor(logs, tmp_path / "state")
+    assert ing.run().records == 5 and ids_once(ing) == list(range(lines + 5))
+    origins = {e["origin"] for e in ing.entries()}
+    assert {f"a.jsonl.1:{lines + 1}", f"a.jsonl.1:{lines + 3}", "a.jsonl#2:2"} <= origins
+
+
+def test_copytruncate_with_the_file_regrown_past_the_old_offset(tmp_path):
+    logs = tmp_path / "logs"
+    write(logs / "a.jsonl", [line(i) for i in range(5)])
+    ingestor(logs, tmp_path / "state").run()
+    write(logs / "a.jsonl", [line(5)], "a")
+    copytruncate(logs)
+    write(logs / "a.jsonl", [line(i) for i in range(6, 30)], "a")
+    ing = ingestor(logs, tmp_path / "state")
+    ing.run()
+    assert ids_once(ing) == list(range(30))
+
+
+def test_a_pass_between_the_copy_and_the_truncation_does_not_read_the_copy_again(tmp_path):
+    logs = tmp_path / "logs"
+    write(logs / "a.jsonl", [line(i) for i in range(20)])
+    ingestor(logs, tmp_path / "state").run()
+    write(logs / "a.jsonl", [line(i) for i in range(20, 23)], "a")
+    shutil.copyfile(logs / "a.jsonl", logs / "a.jsonl.1")
+    write(logs / "a.jsonl", [line(23)], "a")
+    ingestor(logs, tmp_path / "state").run()  # the copy is there, the original not truncated yet
+    os.truncate(logs / "a.jsonl", 0)
+    write(logs / "a.jsonl", [line(24)], "a")
+    ing = ingestor(logs, tmp_path / "state")
+    ing.run()
+    assert ids_once(ing) == list(range(25))
+
+
+def test_a_copy_seen_half_written_is_finished_without_repeats(tmp_path):
+    logs = tmp_path / "logs"
+    write(logs / "a.jsonl", [line(i) for i in range(30)])
+    ingestor(logs, tmp_path / "state").run()
+    write(logs / "a.jsonl", [line(i) for i in range(30, 34)], "a")
+    data = (logs / "a.jsonl").read_bytes()
+    (logs / "a.jsonl.1").write_bytes(data[: len(data) // 2 + 7])  # the copy is in progress, cut mid-line
+    ingestor(logs, tmp_path / "state").run()
+    (logs / "a.jsonl.1").write_bytes(data)
+    os.truncate(logs / "a.jsonl", 0)
+    ing = ingestor(logs, tmp_path / "state")
+    ing.run()
+    assert ids_once(ing) == list(range(34))
+
+
+def test_copytruncate_twice_with_renames_gives_every_origin_once(tmp_path):
+    logs = tmp_path / "logs"
+    n = 0
+    for _ in range(3):
+        write(logs / "a.jsonl", [line(i) for i in range(n, n + 4)], "a")
+        n += 4
+        ingestor(logs, tmp_path / "state").run()
+        write(logs / "a.jsonl", [line(i) for i in range(n, n + 2)], "a")
+        n += 2
+        if (logs / "a.jsonl.1").exists():
+            os.rename(logs / "a.jsonl.1", logs / "a.jsonl.2")
+        copytruncate(logs)
+    ing = ingestor(logs, tmp_path / "state")
+    ing.run()
+    assert ids_once(ing) == list(range(n))
+
+
+def test_unrelated_files_with_equal_lines_are_both_read(tmp_path):
+    """Content is matched across files only for a rotated name of the same log: equal lines elsewhere are traffic."""
+    logs = tmp_path / "logs"
+    write(logs / "a.jsonl", [line(1)])
+    write(logs / "b.jsonl", [line(1)])
+    ing = ingestor(logs, tmp_path / "state")
+    assert ing.run().records == 2
+
+
+def test_a_deleted_and_recreated_file_with_the_same_start_is_read_whole(tmp_path):
+    """Delete, then a new file of the same name (which may get the same inode) starting with the same lines."""
+    logs = tmp_path / "logs"
+    write(logs / "a.jsonl", [line(i) for i in range(40)])
+    ingestor(logs, tmp_path / "state").run()
+    (logs / "a.jsonl").unlink()
+    write(logs / "a.jsonl", [line(i) for i in range(30)] + [line(i) for i in range(100, 115)])
+    ing = ingestor(logs, tmp_path / "state")
+    assert ing.run().records == 45
+
+
+@pytest.mark.parametrize("link", [os.link, os.symlink], ids=["hard_link", "symbolic_link"])
+def test_a_file_under_two_names_is_read_once(tmp_path, link):
+    logs = tmp_path / "logs"
+    write(logs / "a.jsonl", [line(i) for i in range(5)])
+    link(logs / "a.jsonl", logs / "current.jsonl")
+    ing = ingestor(logs, tmp_path / "state")
+    assert ing.run().records == 5 and ids_once(ing) == list(range(5))
+
+
+def test_compressed_rotated_files_are_not_read(tmp_path):
+    logs = tmp_path / "logs"
+    write(logs / "a.jsonl", [line(0)])
+    (logs / "a.jsonl.2.gz").write_bytes(b"\x1f\x8b\x08\x00 compressed")
+    (logs / "a.jsonl-20250101.zst").write_bytes(b"(\xb5/\xfd compressed")
+    stats = ingestor(logs, tmp_path / "state").run()
+    assert (stats.files, stats.records, stats.quarantined) == (1, 1, 0)
+
+
+def old_state(logs: Path, root: Path, name: str, lines: list[str]) -> None:
+    """A state.json and segment as the name-keyed version wrote them, after reading `lines` of `name`."""
+    data = "".join(item + "\n" for item in lines).encode()
+    (root / "segments").mkdir(parents=True)
+    entries = [
+        {"origin": f"{name}:{n + 1}", "id": f"logs:{json.loads(x)['id']}", "messages": []} for n, x in enumerate(lines)
+    ]
+    (root / "segments" / "000000.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
+    head = hashlib.sha256(data[:4096]).hexdigest()
+    files = {name: {"offset": len(data), "lines": len(lines), "head_sha256": head}}
+    state = {"files": files, "segments": ["000000.jsonl"], "records": len(lines), "quarantined": 0}
+    (root / "state.json").write_text(json.dumps(state))
+
+
+@pytest.mark.parametrize("rotated_since", [False, True], ids=["same_file", "renamed_since"])
+def test_a_state_of_the_name_keyed_format_is_migrated(tmp_path, rotated_since):
+    logs, root = tmp_path / "logs", tmp_path / "state"
+    write(logs / "a.jsonl", [line(i) for i in range(8)])
+    old_state(logs, root, "a.jsonl", [line(i) for i in range(8)])
+    write(logs / "a.jsonl", [line(8), line(9)], "a")
+    if rotated_since:
+        os.rename(logs / "a.jsonl", logs / "a.jsonl.1")
+        write(logs / "a.jsonl", [line(10)])
+    ing = ingestor(logs, root)
+    stats = ing.run()
+    assert any("migrated from the name-keyed format" in note for note in stats.notes)
+    assert ids_once(ing) == list(range(11 if rotated_since else 10))
+    assert ing.state["version"] == 2 and json.loads((root / "state.json").read_text())["version"] == 2
+    assert ("a.jsonl.1:9" if rotated_since else "a.jsonl:9") in {e["origin"] for e in ing.entries()}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# kill -9 at every event of a pass that follows a rotation.
+
+WORKER = """
+import os, signal, sys
+from pathlib import Path
+from speculators_train.osd.ingest import LogIngestor
+from speculators_train.osd.redact import Redactor
+
+die_at, seen = int(sys.argv[3]), 0
+
+
+def dying(fn):
+    def wrapped(*args, **kwargs):
+        global seen
+        seen += 1
+        if seen == die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+os.fsync, os.replace, Redactor.__call__ = dying(os.fsync), dying(os.replace), dying(Redactor.__call__)
+LogIngestor(Path(sys.argv[1]), Path(sys.argv[2]), Redactor([], True), 3).run()
+if die_at == 0:
+    print(seen)
+"""
+
+
+def killed_pass(logs: Path, root: Path, die_at: int) -> int:
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER, str(logs), str(root), str(die_at)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode in (0, -signal.SIGKILL), proc.stderr[-3000:]
+    return int(proc.stdout) if die_at == 0 else proc.returncode
+
+
+def rename_rotation(logs: Path) -> None:
+    write(logs / "a.jsonl", [line(i) for i in range(8, 12)], "a")
+    os.rename(logs / "a.jsonl", logs / "a.jsonl.1")
+    write(logs / "a.jsonl", [line(i) for i in range(12, 15)] + ["{broken"])
+
+
+def copytruncate_rotation(logs: Path) -> None:
+    write(logs / "a.jsonl", [line(i) for i in range(8, 12)], "a")
+    copytruncate(logs)
+    write(logs / "a.jsonl", [line(i) for i in range(12, 15)] + ["{broken"], "a")
+
+
+def truncate_rotation(logs: Path) -> None:
+    write(logs / "a.jsonl", [line(i) for i in range(5)] + [line(i) for i in range(100, 107)] + ["{broken"])
+
+
+ROTATIONS = {
+    "rename": (rename_rotation, list(range(15))),
+    "copytruncate": (copytruncate_rotation, list(range(15))),
+    "truncate_same_start": (truncate_rotation, list(range(8)) + list(range(5)) + list(range(100, 107))),
+}
+
+
+@pytest.mark.parametrize("rotation", ROTATIONS)
+def test_exactly_once_when_a_pass_after_rotation_is_killed_at_each_event(tmp_path, rotation):
+    """For every event of the pass after a rotation (each redaction, segment fsync and rename, state fsync and rename),
+    a pass killed there, another killed a few events later, then a clean pass: every line stored exactly once."""
+    rotate, expected = ROTATIONS[rotation]
+
+    def prepared(where: Path) -> tuple[Path, Path]:
+        logs, root = where / "logs", where / "state"
+        write(logs / "a.jsonl", [line(i) for i in range(8)])
+        ingestor(logs, root, commit_every=3).run()
+        rotate(logs)
+        return logs, root
+
+    logs, root = prepared(tmp_path / "clean")
+    events = killed_pass(logs, root, 0)
+    assert events >= 15
+    kills = 0
+    for die_at in range(1, events + 1):
+        logs, root = prepared(tmp_path / f"die-{die_at}")
+        kills += killed_pass(logs, root, die_at) == -signal.SIGKILL
+        killed_pass(logs, root, 3)  # a second crash, early in the rerun
+        ing = ingestor(logs, root)
+        ing.run()
+        assert sorted(ids_once_all(ing)) == sorted(expected), die_at
+        assert ing.state["quarantined"] == 1 and not list((root / "segments").glob("*.tmp"))
+    assert kills == events

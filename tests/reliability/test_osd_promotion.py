@@ -1,0 +1,136 @@
+"""OSD promotion under kill -9: an `osd` run on real logs with the real target, killed once in each distinct commit
+window of ingestion, versioning, promotion and the window commit, then rerun. At every kill `current` names a complete
+version; at the end every record was consumed once, every window has one history line, and the versions on disk are
+exactly the committed ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from speculators_train.training.checkpoint import save_checkpoint
+
+from ..conftest import SHAREGPT, make_recipe
+from ..test_osd_distill import log_lines
+from ..test_verify import random_draft  # noqa: F401  (fixture: the real architecture, random weights)
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+# Runs the CLI and SIGKILLs it at the first os.replace / os.fsync / open whose path matches a pattern (argv: kind,
+# regex, then the CLI's arguments). A replace is seen as its destination, followed by " => " and the link's target
+# when it renames a symbolic link (how `current` is re-pointed); an fsync as the path of its file descriptor.
+KILLER = r"""
+import builtins, os, re, signal, sys
+
+kind, pattern = sys.argv[1], re.compile(sys.argv[2])
+
+
+def seen_as(name, args):
+    if name == "fsync":
+        fd = args[0] if isinstance(args[0], int) else args[0].fileno()
+        return os.readlink(f"/proc/self/fd/{fd}")
+    if name == "replace":
+        target = f" => {os.readlink(args[0])}" if os.path.islink(args[0]) else ""
+        return f"{args[1]}{target}"
+    return str(args[0])
+
+
+def dying(name, fn):
+    def wrapped(*args, **kwargs):
+        if name == kind and pattern.search(seen_as(name, args)):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+os.replace, os.fsync, builtins.open = dying("replace", os.replace), dying("fsync", os.fsync), dying("open", open)
+from speculators_train.cli import main
+main(sys.argv[3:])
+"""
+
+# Each distinct commit window, in the order a run passes them: (id, event kind, the path it acts on). A run resumed
+# after the previous kill is killed at the first event of the next window.
+WINDOWS = [
+    ("general_suite_answered_not_frozen", "replace", r"osd/general\.json$"),
+    ("version_0_checkpoint_staged", "replace", r"versions/v0000/checkpoint$"),
+    ("version_0_export_staged", "replace", r"versions/v0000/speculators$"),
+    ("version_0_complete_not_served", "replace", r"osd/current => versions/v0000$"),
+    ("version_0_served_not_committed", "replace", r"osd/progress\.json$"),
+    ("ingestion_segment_written_state_not", "replace", r"ingest/state\.json$"),
+    ("version_1_checkpoint_staged", "replace", r"versions/v0001/checkpoint$"),
+    ("version_1_export_staged", "replace", r"versions/v0001/speculators$"),
+    ("version_1_complete_not_served", "replace", r"osd/current => versions/v0001$"),
+    ("version_1_served_trainee_not_saved", "replace", r"trainee/step-000001$"),
+    ("trainee_saved_history_not_written", "open", r"osd/history\.jsonl$"),
+    ("history_line_written_not_synced", "fsync", r"osd/history\.jsonl$"),
+    ("window_1_complete_not_committed", "replace", r"osd/progress\.json$"),
+    ("both_windows_committed_plot_not_drawn", "replace", r"osd/acceptance\.png$"),
+]
+
+
+def complete(version_dir) -> bool:
+    return (version_dir / "checkpoint" / "draft_config.json").is_file() and (
+        version_dir / "speculators" / "config.json"
+    ).is_file()
+
+
+def test_a_run_killed_in_every_commit_window_serves_complete_versions_and_consumes_each_record_once(
+    tmp_path,
+    random_draft,  # noqa: F811
+):
+    init = save_checkpoint(tmp_path / "init", 1, random_draft, None, {"step": 1}, keep_last=1)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "day1.jsonl").write_text("\n".join(log_lines(tmp_path, 40)) + "\n")
+    osd = {"init_from": str(init), "update_interval": 20, "steps_per_update": 15, "learning_rate": 2e-3}
+    osd.update(held_out_fraction=0.25, general_records=4, buffer_size=12)
+    recipe = make_recipe(
+        tmp_path,
+        [{"name": "sharegpt", "path": SHAREGPT, "max_records": 30}],
+        osd=osd,
+        draft={"family": "eagle3", "ttt_steps": 3},
+        eval={"num_speculative_tokens": 3, "max_new_tokens": 24},
+        training={"wandb": {"mode": "disabled"}},
+    )
+    root = tmp_path / "run" / "osd"
+    argv = ["osd", str(recipe), "--logs", str(logs)]
+
+    def run(kind: str = "none", pattern: str = "^$") -> int:
+        proc = subprocess.run(
+            [sys.executable, "-c", KILLER, kind, pattern, *argv], cwd=REPO, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode in (0, -signal.SIGKILL), proc.stderr[-3000:]
+        return proc.returncode
+
+    for window, kind, pattern in WINDOWS:
+        assert run(kind, pattern) == -signal.SIGKILL, f"{window}: the run ended without passing this window"
+        current = root / "current"
+        if os.path.lexists(current):
+            assert complete(current.resolve()), f"{window}: current -> {os.readlink(current)}, half-written"
+
+    # What a kill leaves that no event isolates: a half-written history line, a version past the commit, a link
+    # never renamed into place.
+    with open(root / "history.jsonl", "ab") as fh:
+        fh.write(b'{"records_seen": 6')
+    (root / "versions" / "v0009" / "checkpoint").mkdir(parents=True)
+    (root / ".current-999").symlink_to("versions/v0009")
+    assert run() == 0
+
+    progress = json.loads((root / "progress.json").read_text())
+    assert (progress["consumed"], progress["records_seen"], progress["history_lines"]) == (40, 40, 2)
+    history = [json.loads(row) for row in (root / "history.jsonl").read_text().splitlines()]
+    assert [row["records_seen"] for row in history] == [20, 40]
+    assert history[0]["promoted"], history[0]["reason"]
+    version = progress["version"]
+    assert sorted(p.name for p in (root / "versions").iterdir()) == [f"v{v:04d}" for v in range(version + 1)]
+    assert all(complete(root / "versions" / f"v{v:04d}") for v in range(version + 1))
+    assert (root / "current").resolve() == (root / "versions" / f"v{version:04d}").resolve()
+    assert not list(root.glob(".current-*"))
+    entries = [json.loads(row) for s in sorted((root / "ingest" / "segments").iterdir()) for row in s.open()]
+    assert len(entries) == 40 and len({e["origin"] for e in entries}) == 40
