@@ -8,6 +8,7 @@ names the file (or key) at fault, never a traceback.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -100,7 +101,10 @@ def event_labels(argv: list[str], events: list[str] = ()) -> list[str]:
     """The events a clean run of `argv` passes through, in order (it runs to the end)."""
     code, err = run_killed(0, argv, events)
     assert code == 0, err
-    return [line.removeprefix("event: ") for line in err.splitlines() if line.startswith("event: ")]
+    # A progress bar may share the line (it redraws with \r, no newline): take what follows each marker.
+    labels = re.findall(r"event: ([^\r\n]*)", err)
+    assert labels, err
+    return labels
 
 
 def crash_windows(labels: list[str], tail: int) -> list[int]:
