@@ -210,19 +210,24 @@ class Trainer:
         return [(name, p) for name, p in self.draft.named_parameters() if p.requires_grad]
 
     def _trim_log(self) -> None:
-        """Drop metrics.jsonl lines past the step this run continues from (and a line cut by a kill), so a resumed
-        run's log has each step once: what a killed run logged after its last checkpoint is redone and logged
-        again."""
+        """Drop the metrics.jsonl lines the checkpoint this run continues from does not cover (and a line cut by a
+        kill), so a resumed run's log has each step and each validation once: what a killed run logged after its
+        last checkpoint is redone and logged again. Training lines are covered up to the checkpoint's step,
+        validation lines up to the step it last validated."""
         path = self.run_dir / "metrics.jsonl"
         if not self.acc.is_main_process or not path.is_file():
             return
+        covered = {"train": self.state["step"], "val": self.state.get("held_out_step", self.state["step"])}
         kept = []
         for line in path.read_text(errors="replace").splitlines(keepends=True):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if line.endswith("\n") and isinstance(record, dict) and record.get("step", 0) <= self.state["step"]:
+            if not line.endswith("\n") or not isinstance(record, dict):
+                continue
+            kind = "val" if any(key.startswith("val/") for key in record) else "train"
+            if record.get("step", 0) <= (covered[kind] or 0):
                 kept.append(line)
         atomic_write_bytes(path, "".join(kept).encode())
 

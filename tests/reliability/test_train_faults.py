@@ -91,7 +91,7 @@ def test_kill_at_each_crash_window_resumes_to_the_same_curve(tmp_path, states, r
     uninterrupted curve, with one metrics line per step and validation, and the same best checkpoint."""
     expected, best, labels = reference
     recipe = run_dir(tmp_path, states)
-    for die_at in crash_windows(labels, tail=8):
+    for die_at in crash_windows(labels, tail=10):
         shutil.rmtree(tmp_path / "run" / "train", ignore_errors=True)
         code, _ = run_killed(die_at, ["train", recipe], EVENTS)
         where = f"killed at event {die_at} of {len(labels)} ({labels[die_at - 1]})"
