@@ -12,6 +12,7 @@ Each refusal is one `UserError` naming the file and the key or tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -44,6 +45,16 @@ def shown(value: Any) -> str:
     """A value from a file, short enough for a one-line message."""
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def spelling(values: dict[str, Any], config_type: type, keys: dict[str, str] | None) -> Callable[[str], str]:
+    """How a file spells each field of `config_type` (`keys` maps a field to its spelling where it differs, as in an
+    export layout); refuses fields the config does not have."""
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(config_type)})
+    if unknown:
+        raise ValueError(f"unknown keys {unknown}")
+    keys = keys or {}
+    return lambda key: keys.get(key, key)
 
 
 def int_field(config: dict[str, Any], key: str, low: int, high: int, default: Any = _REQUIRED, name: str = "") -> Any:

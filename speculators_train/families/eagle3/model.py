@@ -13,7 +13,7 @@ query's own position (the draft token it produced there). RoPE position of step 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from speculators_train.families.layouts import (
     layer_ids_field,
     positive_number_field,
     shown,
+    spelling,
 )
 from speculators_train.families.vocab import first_ids
 
@@ -141,14 +142,7 @@ def check_layer(layer: dict[str, Any], prefix: str = "") -> None:
 def checked_config(values: dict[str, Any], keys: dict[str, str] | None = None) -> Eagle3Config:
     """An Eagle3Config from `values` (its fields, as read from a file), each typed and in range first. ValueError
     names a field as the file spells it: `keys` maps a field to that spelling where it differs (export layouts)."""
-    keys = keys or {}
-
-    def name(key: str) -> str:
-        return keys.get(key, key)
-
-    unknown = sorted(set(values) - {f.name for f in fields(Eagle3Config)})
-    if unknown:
-        raise ValueError(f"unknown keys {unknown}")
+    name = spelling(values, Eagle3Config, keys)
     layer = dict_field(values, "layer_config", name=name("layer_config"))
     check_layer(layer, f"{name('layer_config')}." if name("layer_config") else "")
     target_vocab = int_field(values, "target_vocab_size", 0, MAX_VOCAB, default=0, name=name("target_vocab_size"))

@@ -11,14 +11,14 @@ reduced vocabulary and d2t/t2d maps as EAGLE-3). Weight names follow vLLM's Medu
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculators_train.families.layouts import MAX_HIDDEN, MAX_LAYERS, MAX_VOCAB, int_field
+from speculators_train.families.layouts import MAX_HIDDEN, MAX_LAYERS, MAX_VOCAB, int_field, spelling
 from speculators_train.families.medusa.settings import MAX_BLOCKS, MAX_HEADS
 from speculators_train.families.vocab import first_ids
 
@@ -45,14 +45,7 @@ class MedusaConfig:
 def checked_config(values: dict[str, Any], keys: dict[str, str] | None = None) -> MedusaConfig:
     """A MedusaConfig from `values` (its fields, as read from a file), each typed and in range first. ValueError
     names a field as the file spells it: `keys` maps a field to that spelling where it differs (vLLM's layout)."""
-    keys = keys or {}
-
-    def name(key: str) -> str:
-        return keys.get(key, key)
-
-    unknown = sorted(set(values) - {f.name for f in fields(MedusaConfig)})
-    if unknown:
-        raise ValueError(f"unknown keys {unknown}")
+    name = spelling(values, MedusaConfig, keys)
     target_vocab = int_field(values, "target_vocab_size", 1, MAX_VOCAB, name=name("target_vocab_size"))
     return MedusaConfig(
         hidden_size=int_field(values, "hidden_size", 1, MAX_HIDDEN, name=name("hidden_size")),
