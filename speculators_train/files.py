@@ -32,13 +32,15 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 FULL_DISK_BYTES = 64 << 20
 
 
-def _disk_full(exc: BaseException, path: Path) -> bool:
+def _free_bytes(path: Path) -> int:
+    """Free space on the filesystem that holds `path` (its nearest existing folder)."""
+    return shutil.disk_usage(next(p for p in (path, *path.parents, Path(".")) if p.is_dir())).free
+
+
+def _disk_full(exc: BaseException, free: int) -> bool:
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
-    if "No space left on device" in str(exc):
-        return True
-    directory = next((p for p in (path, *path.parents) if p.is_dir()), None)
-    return directory is not None and shutil.disk_usage(directory).free < FULL_DISK_BYTES
+    return "No space left on device" in str(exc) or free < FULL_DISK_BYTES
 
 
 @contextlib.contextmanager
@@ -51,10 +53,9 @@ def writing(path: Path, cleanup: Path | None = None) -> Iterator[None]:
         if cleanup is not None:
             with contextlib.suppress(OSError):
                 shutil.rmtree(cleanup) if cleanup.is_dir() else cleanup.unlink(missing_ok=True)
-        if not _disk_full(exc, Path(path)):
+        free = _free_bytes(Path(path))
+        if not _disk_full(exc, free):
             raise
-        directory = next((p for p in (Path(path), *Path(path).parents) if p.is_dir()), Path("."))
-        free = shutil.disk_usage(directory).free
         raise UserError(
             f"disk full while writing {path} ({free} bytes free); everything written before is intact: "
             "free space and rerun the same command to resume"

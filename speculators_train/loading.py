@@ -21,6 +21,15 @@ from speculators_train.errors import UserError
 MAX_YAML_VALUES = 1_000_000
 
 
+# Weight files only unpickling reads (running whatever code they hold): never loaded, only named in refusals.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def pickled_files(directory: Path) -> list[str]:
+    """Names of the pickled weight files in `directory`, sorted."""
+    return sorted(p.name for p in directory.iterdir() if p.is_file() and p.suffix in PICKLE_SUFFIXES)
+
+
 def describe(exc: BaseException) -> str:
     """A short, single-line account of an exception (no traceback, no multi-line dumps)."""
     if isinstance(exc, RecursionError):

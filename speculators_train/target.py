@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from speculators_train.errors import UserError
-from speculators_train.loading import describe, open_tensors, read_json_object, reading
+from speculators_train.loading import describe, open_tensors, pickled_files, read_json_object, reading
 from speculators_train.packed import packed_linears
 
 if TYPE_CHECKING:
@@ -176,10 +176,6 @@ def resolve_source(cfg: TargetConfig) -> tuple[str, str | None]:
     return name, name
 
 
-# Weight files that only unpickling reads (running whatever code they hold): never loaded here.
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
 def _weight_map(directory: Path) -> dict[str, str] | None:
     """A sharded HF directory's tensor -> file map (model.safetensors.index.json), None when not sharded."""
     index = directory / "model.safetensors.index.json"
@@ -201,7 +197,7 @@ def _check_local_dir(path: Path) -> None:
         if missing:
             raise UserError(f"{path}: weight files {missing[:3]} named by model.safetensors.index.json are missing")
     elif not (path / "model.safetensors").is_file():
-        pickled = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        pickled = pickled_files(path)
         if pickled:
             raise UserError(
                 f"target.name_or_path: {path} holds only pickled weights ({', '.join(pickled[:3])}), which this "

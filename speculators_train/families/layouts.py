@@ -25,7 +25,7 @@ from torch import nn
 
 from speculators_train.errors import UserError
 from speculators_train.families.vocab import checked_maps, kind
-from speculators_train.loading import load_tensors, reading
+from speculators_train.loading import load_tensors, pickled_files, reading
 
 SPECULATORS_VERSION = "0.9.0"  # the format version written; vLLM 0.33 reads it
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -137,7 +137,7 @@ def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
     file, or the directory when the weights are sharded)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        pickled = pickled_files(path)
         hint = (
             f"; {pickled} are pickled, and this toolkit never unpickles checkpoint files: convert them to "
             "safetensors where you trust them"
