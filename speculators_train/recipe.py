@@ -16,6 +16,7 @@ from pydantic import Field, field_validator, model_validator
 
 from speculators_train import families
 from speculators_train.errors import UserError
+from speculators_train.families.divergence import Divergence
 from speculators_train.schema import (
     DTypeName,
     Section,
@@ -255,8 +256,8 @@ class OSDConfig(Section):
     steps_per_update: int = Field(16, gt=0, description="Optimizer steps per update, on batches from the buffer.")
     batch_size: int = Field(4, gt=0)
     learning_rate: float = Field(1e-4, gt=0)
-    divergence: Literal["ce", "forward_kl", "reverse_kl", "jsd", "tvd"] = Field(
-        "forward_kl", description="Distillation divergence against the target (training/divergence.py)."
+    divergence: Divergence = Field(
+        "forward_kl", description="Distillation divergence against the target (families/divergence.py)."
     )
     buffer_size: int = Field(128, gt=0, description="Records kept, favouring those the draft failed on.")
     held_out_fraction: float = Field(0.1, gt=0, lt=1, description="Log records kept out of training for the gate.")

@@ -8,7 +8,7 @@ import torch
 
 from speculators_train.families.divergence import divergence
 
-KINDS = ["forward_kl", "reverse_kl", "jsd", "tvd"]
+KINDS = ["forward_kl", "reverse_kl", "jsd", "tvd", "lk", "lk_hybrid"]
 
 
 def dist(*values: float) -> torch.Tensor:
@@ -33,6 +33,32 @@ def test_identities():
     forward, backward = divergence(p, q.log(), "jsd"), divergence(q, p.log(), "jsd")
     assert float(forward) == pytest.approx(float(backward))
     assert float(divergence(dist(1, 0), dist(0.0 + 1e-30, 1).log(), "jsd")) <= math.log(2) + 1e-9
+
+
+def test_lk_losses_are_built_on_the_acceptance_rate():
+    p, q = dist(5, 3, 1, 1), dist(2, 2, 3, 3)
+    alpha = float(torch.minimum(p, q).sum())
+    assert float(divergence(p, q.log(), "lk")) == pytest.approx(-math.log(alpha))
+    weight = math.exp(-3.0 * alpha)
+    kl = float(divergence(p, q.log(), "forward_kl"))
+    assert float(divergence(p, q.log(), "lk_hybrid")) == pytest.approx(weight * kl + (1 - weight) * (1 - alpha))
+    # -log(alpha) has TV's gradient scaled by 1 / alpha: the scale is what lets it learn from a cold start.
+    logits = q.log().clone().requires_grad_(True)
+    divergence(p, torch.log_softmax(logits, -1), "lk").backward()
+    lk_grad = logits.grad.clone()
+    logits.grad = None
+    divergence(p, torch.log_softmax(logits, -1), "tvd").backward()
+    assert torch.allclose(lk_grad, logits.grad / alpha)
+    # The hybrid's blend weight is not differentiated: its gradient is w * dKL + (1 - w) * dTV.
+    logits.grad = None
+    divergence(p, torch.log_softmax(logits, -1), "lk_hybrid").backward()
+    hybrid_grad = logits.grad.clone()
+    logits.grad = None
+    divergence(p, torch.log_softmax(logits, -1), "forward_kl").backward()
+    kl_grad = logits.grad.clone()
+    logits.grad = None
+    divergence(p, torch.log_softmax(logits, -1), "tvd").backward()
+    assert torch.allclose(hybrid_grad, weight * kl_grad + (1 - weight) * logits.grad)
 
 
 def test_reverse_kl_seeks_a_mode_and_forward_kl_covers_both():

@@ -29,7 +29,7 @@ from speculators_train.target import TargetHead
 H, V, DV, AUX = 32, 64, 16, 3
 
 
-def tiny_draft(seed: int = 0, norm_before_residual: bool = False) -> Eagle3Draft:
+def tiny_draft(seed: int = 0, norm_before_residual: bool = False, **norms: bool) -> Eagle3Draft:
     torch.manual_seed(seed)
     target = LlamaConfig(
         hidden_size=H,
@@ -40,7 +40,7 @@ def tiny_draft(seed: int = 0, norm_before_residual: bool = False) -> Eagle3Draft
         rms_norm_eps=1e-6,
         max_position_embeddings=256,
     )
-    cfg = Eagle3Config.for_target(target, [1, 2, 3], DV, norm_before_residual)
+    cfg = Eagle3Config.for_target(target, [1, 2, 3], DV, norm_before_residual, **norms)
     draft = Eagle3Draft(cfg).double()
     for p in draft.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -74,25 +74,39 @@ def reference_chain(draft: Eagle3Draft, tokens, aux, positions, j: int, steps: i
         out = out + layer.mlp(layer.post_attention_layernorm(out))
         return out, k, v, draft.lm_head(draft.norm(out))
 
-    hidden0 = draft.fc(aux[0])
+    # EAGLE-3.1: an RMSNorm over the concatenated states before fc; the post-norm output fed back between steps.
+    fused = aux[0]
+    if draft.config.norm_before_fc:
+        fused = fused * torch.rsqrt(fused.pow(2).mean(-1, keepdim=True) + 1e-6) * draft.input_norm.weight
+    hidden0 = draft.fc(fused)
     keys, values = [], []
     for p in range(j + 1):  # step 0 over the context, causal
         out, k, v, logits = run(tokens[0, p : p + 1], hidden0[p : p + 1], int(positions[0, p]), keys, values)
         keys.append(k)
         values.append(v)
-    results, hidden = [logits[0]], out
+    results, hidden = [logits[0]], fed_back(draft, out)
     for s in range(1, steps):
         out, k, v, logits = run(tokens[0, j + s : j + s + 1], hidden, int(positions[0, j]) + s, keys, values)
         keys.append(k)
         values.append(v)
         results.append(logits[0])
-        hidden = out
+        hidden = fed_back(draft, out)
     return results
 
 
-@pytest.mark.parametrize("norm_before_residual", [False, True])
-def test_ttt_unroll_equals_token_by_token_reference(norm_before_residual):
-    draft = tiny_draft(norm_before_residual=norm_before_residual)
+def fed_back(draft: Eagle3Draft, out: torch.Tensor) -> torch.Tensor:
+    return draft.norm(out) if draft.config.norm_output else out
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"norm_before_residual": True}, {"norm_before_fc": True}, {"norm_before_fc": True, "norm_output": True}],
+    ids=["eagle3", "norm_before_residual", "norm_before_fc", "eagle3.1"],
+)
+def test_ttt_unroll_equals_token_by_token_reference(settings):
+    draft = tiny_draft(**settings)
+    if draft.input_norm is not None:
+        torch.nn.init.uniform_(draft.input_norm.weight, 0.5, 1.5)
     t, steps = 12, 4
     tokens = torch.randint(0, V, (1, t))
     aux = torch.randn(1, t, AUX * H, dtype=torch.float64)
@@ -100,7 +114,8 @@ def test_ttt_unroll_equals_token_by_token_reference(norm_before_residual):
     logits = draft.ttt_forward(tokens, aux, positions, steps)
     for j in range(t - steps + 1):
         for i, ref in enumerate(reference_chain(draft, tokens, aux, positions, j, steps)):
-            torch.testing.assert_close(logits[i][0, j], ref, msg=f"chain {j} step {i}")
+            # LlamaRMSNorm rounds through float32 even in float64: 1e-6, far below a wrong mask or feedback (~0.1).
+            torch.testing.assert_close(logits[i][0, j], ref, rtol=1e-6, atol=1e-6, msg=f"chain {j} step {i}")
 
 
 def test_reference_catches_missing_rope_offset_and_future_leak():

@@ -28,12 +28,12 @@ pytestmark = pytest.mark.slow
 QUESTIONS = ["Explain what a hash table is in two sentences.", "Write a Python function that reverses a string."]
 
 
-@pytest.fixture(scope="module")
-def draft(target):
+def random_draft(target, **norms: bool) -> Eagle3Draft:
     """The real EAGLE-3 architecture for SmolLM2 with random weights and a 1024-id vocabulary of scattered ids
-    (so d2t offsets are not all equal); random weights make every weight matter to the drafted tokens."""
+    (so d2t offsets are not all equal); random weights make every weight matter to the drafted tokens. `norms`:
+    EAGLE-3.1's norm_before_fc / norm_output."""
     torch.manual_seed(0)
-    config = Eagle3Config.for_target(target.config, target.aux_layer_ids, 1024, False)
+    config = Eagle3Config.for_target(target.config, target.aux_layer_ids, 1024, False, **norms)
     model = Eagle3Draft(config)
     freq = torch.zeros(target.vocab_size)
     freq[torch.randperm(target.vocab_size)[:1024]] = 1
@@ -48,6 +48,11 @@ def draft(target):
     return model.eval()
 
 
+@pytest.fixture(scope="module")
+def draft(target):
+    return random_draft(target)
+
+
 @pytest.fixture
 def setup(tmp_path, draft):
     """(recipe, checkpoint dir) in tmp_path, for the real embedded target."""
@@ -56,12 +61,19 @@ def setup(tmp_path, draft):
     return recipe, checkpoint
 
 
-def test_speculators_library_loads_our_export_and_computes_the_same_draft_logits(tmp_path, target, draft, setup):
+@pytest.mark.parametrize(
+    "norms",
+    [{}, {"norm_before_fc": True}, {"norm_before_fc": True, "norm_output": True}],
+    ids=["eagle3", "norm_before_fc", "eagle3.1"],
+)
+def test_speculators_library_loads_our_export_and_computes_the_same_draft_logits(tmp_path, target, norms):
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     from speculators_train.target import resolve_source
 
-    recipe, checkpoint = setup
+    draft = random_draft(target, **norms)
+    recipe = load_recipe(make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]))
+    checkpoint = save_checkpoint(tmp_path / "ckpt", 1, draft, None, {"step": 1}, keep_last=1)
     out = export(recipe, checkpoint, "speculators", tmp_path / "spec", "float32").path
     config = Eagle3SpeculatorConfig.from_pretrained(out)
     assert config.speculators_config.verifier.name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -76,6 +88,10 @@ def test_speculators_library_loads_our_export_and_computes_the_same_draft_logits
     assert file_names - their_names == set()
     assert not any(p.isnan().any() for p in theirs.parameters())  # their init is NaN until a weight loads
     assert theirs.config.eagle_aux_hidden_state_layer_ids == draft.config.aux_layer_ids
+    written = json.loads((out / "config.json").read_text())
+    for flag in ("norm_before_fc", "norm_output"):  # vLLM builds input_norm / feeds back post-norm from these keys
+        assert written[flag] is getattr(theirs.config, flag) is norms.get(flag, False)
+    assert ("input_norm.weight" in file_names) is norms.get("norm_before_fc", False)
 
     ids = chat(target, QUESTIONS[0])
     aux, _ = target.hidden_states(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))

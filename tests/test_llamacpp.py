@@ -77,9 +77,13 @@ def test_each_setting_passes_the_flags_llamacpp_needs(tmp_path):
 
 @pytest.fixture(scope="module")
 def fitted(target, tmp_path_factory):
-    """(recipe, checkpoint, prompt ids): a small EAGLE-3 draft fitted for a few seconds to the target's own greedy
-    reply to PROMPT (real target states), so that llama.cpp accepts its drafts on that prompt."""
-    tmp = tmp_path_factory.mktemp("fitted")
+    return fit(target, tmp_path_factory.mktemp("fitted"))
+
+
+def fit(target, tmp, **settings):
+    """(recipe, checkpoint, prompt ids, reply ids): a small EAGLE-3 draft (`settings` beside its size) fitted for a
+    few seconds to the target's own greedy reply to PROMPT (real target states), so that llama.cpp accepts its
+    drafts on that prompt."""
     recipe = load_recipe(make_recipe(tmp, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]))
     family = get("eagle3")
     ids = target.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True)
@@ -88,7 +92,7 @@ def fitted(target, tmp_path_factory):
         full = target.model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)
     freq = torch.bincount(full[0], minlength=target.vocab_size).float()
     head = {"embed": target.embed_tokens.weight, "lm_head": target.lm_head.weight, "norm": target.final_norm.weight}
-    settings_ = family.settings(draft_vocab_size=512, ttt_steps=3)
+    settings_ = family.settings(draft_vocab_size=512, ttt_steps=3, **settings)
     torch.manual_seed(0)
     draft = family.new_draft(settings_, target.config, head, freq, target.aux_layer_ids)
     with torch.no_grad():
@@ -154,6 +158,16 @@ def test_llamacpp_refuses_nothing_we_export_and_we_refuse_what_it_would_run_wron
     with pytest.raises(UserError, match="exactly 3 target states"):
         export(recipe, checkpoint, "gguf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    # llama.cpp feeds the pre-norm output back whatever norm_output says: refused, for SGLang too.
+    settings_ = family.settings(draft_vocab_size=64, norm_before_fc=True, norm_output=True)
+    draft = family.new_draft(settings_, target.config, head, freq, target.aux_layer_ids)
+    checkpoint = save_checkpoint(tmp_path / "ckpt31", 1, draft, None, {"step": 1}, keep_last=1)
+    with pytest.raises(UserError, match=r"norm_output is true, but llama\.cpp ignores it"):
+        export(recipe, checkpoint, "gguf", tmp_path / "out")
+    with pytest.raises(UserError, match="norm_before_fc is true, but SGLang"):
+        export(recipe, checkpoint, "sglang", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert export(recipe, checkpoint, "speculators", tmp_path / "out").path.is_dir()
 
 
 @pytest.mark.slow
@@ -173,3 +187,39 @@ def test_llamacpp_with_our_draft_gives_its_own_target_only_output_on_an_unquanti
         drafted = spec.complete(prompt, 48)
     assert drafted.tokens == reference.tokens
     assert drafted.steps > 0 and drafted.accepted > 0, drafted
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_llamacpp_runs_a_norm_before_fc_draft_as_trained(tmp_path, target):
+    """EAGLE-3.1's norm before fc reaches llama.cpp (flag and weight) and is applied: llama.cpp accepts what the
+    project's own loop accepts with the same draft on the same unquantized weights (without the norm this draft's
+    first-step argmax changes at about a third of the reply's positions), and the output is the target's own."""
+    from gguf import GGUFReader
+
+    from speculators_train.proposal import Sampling
+    from speculators_train.verify.decoder import SpeculativeDecoder
+    from speculators_train.verify.run import eos_ids, load_draft_for
+
+    recipe, checkpoint, prompt, _ = fit(target, tmp_path / "fit", norm_before_fc=True)
+    out = export(recipe, checkpoint, "gguf", tmp_path / "gguf", dtype="float32").path
+    reader = GGUFReader(out / "draft.gguf")
+    flag = reader.fields["eagle3.norm_before_fc"]
+    assert flag.parts[flag.data[0]].tolist()[0] is True
+    norm = load_draft(checkpoint, target.num_layers).draft.input_norm.weight
+    stored = [t for t in reader.tensors if tuple(t.data.shape) == tuple(norm.shape) and "norm" in t.name]
+    assert len(stored) == 1 and torch.allclose(torch.from_numpy(stored[0].data.copy()), norm.detach())
+    target_gguf = f32_gguf(Path(resolve_source(recipe.target)[0]))
+    with (
+        llamacpp.Server(target_gguf, [], tmp_path / "base.log") as base,
+        llamacpp.Server(target_gguf, draft_args(str(out / "draft.gguf"), 3), tmp_path / "spec.log") as spec,
+    ):
+        reference = base.complete(prompt, 48)
+        drafted = spec.complete(prompt, 48)
+    assert drafted.tokens == reference.tokens
+    assert drafted.accepted >= 0.5 * drafted.drafted > 0, drafted
+    draft = load_draft_for(target, checkpoint).draft
+    ours = SpeculativeDecoder(target, get("eagle3").proposer(draft, target), Sampling(), 3, None)
+    ours = ours.generate(prompt, 48, eos_ids(target), None)
+    assert ours.tokens == drafted.tokens
+    assert abs(sum(ours.accepted) - drafted.accepted) <= 2, (ours.accepted, drafted)

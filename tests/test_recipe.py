@@ -164,6 +164,15 @@ def test_a_recipe_in_the_old_layout_is_told_the_new_spelling_with_its_own_values
             r"SGLang's LlamaForCausalLMEagle3 only implements false",
         ),
         ("target: {aux_layer_ids: [2, 15]}", r"target\.aux_layer_ids \[2, 15\]: an EAGLE-3 draft reads exactly 3"),
+        (
+            "draft: {family: eagle3, norm_output: true}\nexport: {format: gguf}",
+            r"draft\.norm_output true: llama\.cpp feeds the pre-norm output back",
+        ),
+        (
+            "draft: {family: eagle3, norm_before_fc: true}\nexport: {format: sglang}",
+            r"draft\.norm_before_fc true: SGLang's LlamaForCausalLMEagle3 has no norm before fc",
+        ),
+        ("draft: {family: eagle3, loss: kl}", r"draft\.loss: Input should be 'ce', .*'lk' or 'lk_hybrid' \(got 'kl'\)"),
     ],
     ids=[
         "medusa-sglang",
@@ -171,6 +180,9 @@ def test_a_recipe_in_the_old_layout_is_told_the_new_spelling_with_its_own_values
         "eagle3-measured-tree",
         "sglang-norm-before-residual",
         "eagle3-three-aux-ids",
+        "gguf-norm-output",
+        "sglang-norm-before-fc",
+        "eagle3-unknown-loss",
     ],
 )
 def test_family_rules_are_checked_when_the_recipe_loads(tmp_path, sections, message):

@@ -47,7 +47,14 @@ class Eagle3Family(Family):
     ) -> Eagle3Draft:
         """Vocab from token counts; the embedding (frozen), lm_head rows and norm start from the target's."""
         d2t, t2d = build_vocab_mapping(token_freq, min(settings.draft_vocab_size, token_freq.numel()))
-        config = Eagle3Config.for_target(target_config, aux_layer_ids, d2t.numel(), settings.norm_before_residual)
+        config = Eagle3Config.for_target(
+            target_config,
+            aux_layer_ids,
+            d2t.numel(),
+            settings.norm_before_residual,
+            norm_before_fc=settings.norm_before_fc,
+            norm_output=settings.norm_output,
+        )
         draft = Eagle3Draft(config)
         with torch.no_grad():
             draft.embed_tokens.weight.copy_(head["embed"])
@@ -82,7 +89,9 @@ class Eagle3Family(Family):
         depth: int | None = None,
         divergence: str | None = None,
     ) -> Eagle3Objective:
-        return Eagle3Objective(draft, head, depth or settings.ttt_steps, settings.step_decay, divergence or "ce")
+        return Eagle3Objective(
+            draft, head, depth or settings.ttt_steps, settings.step_decay, divergence or settings.loss
+        )
 
     def proposer(self, draft: Eagle3Draft, target: Target) -> Eagle3Proposer:
         return Eagle3Proposer(draft)
@@ -97,6 +106,7 @@ class Eagle3Family(Family):
             ("draft vocabulary", f"{cfg.draft_vocab_size} of {cfg.target_vocab_size} target ids"),
             ("speculative tokens", str(k)),
             ("norm_before_residual", str(cfg.norm_before_residual).lower()),
+            ("norm_before_fc / norm_output", f"{str(cfg.norm_before_fc).lower()} / {str(cfg.norm_output).lower()}"),
         ]
 
 

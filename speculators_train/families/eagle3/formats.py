@@ -3,9 +3,14 @@
 speculators / vLLM (`vllm serve <dir>`; also what the `speculators` library loads):
 
     config.json         speculators_model_type "eagle3", transformer_layer_config (a LlamaConfig dict),
-                        draft_vocab_size, norm_before_residual, target_hidden_size,
+                        draft_vocab_size, norm_before_residual, norm_before_fc, norm_output, target_hidden_size,
                         eagle_aux_hidden_state_layer_ids, speculators_config {...}
-    model.safetensors   fc, layers.0.*, norm, lm_head, [embed_tokens], d2t (int64), t2d (bool); no `model.` prefix
+    model.safetensors   fc, [input_norm], layers.0.*, norm, lm_head, [embed_tokens], d2t (int64), t2d (bool); no
+                        `model.` prefix
+
+    EAGLE-3.1's switches are written as trained: `norm_before_fc` (vLLM and llama.cpp's converter build
+    `input_norm` from it) and `norm_output` (vLLM feeds the post-norm output back; llama.cpp ignores it, so the
+    gguf layout refuses such a draft). `fc_norm` (a norm per target state) is not trained here: always false.
 
     Aux layer ids there count like ours and vLLM's (id k = the residual stream entering layer k). A missing
     `norm_before_residual` means true, as vLLM reads it.
@@ -88,9 +93,9 @@ def speculators_config(
         "norm_before_residual": config.norm_before_residual,  # always written: vLLM reads a missing key as true
         "target_hidden_size": config.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
-        "norm_before_fc": False,
+        "norm_before_fc": config.norm_before_fc,
         "fc_norm": False,
-        "norm_output": False,
+        "norm_output": config.norm_output,
         "embed_requires_grad": False,
         "speculators_config": proposal_config("eagle3", speculative_tokens, verifier, verifier_architectures),
         "dtype": dtype,
@@ -104,9 +109,8 @@ def load_speculators_eagle3(path: Path, config: dict[str, Any], target_num_layer
     config_file = path / "config.json"
     with reading(config_file, "EAGLE-3 speculators config"):
         layer = dict_field(config, "transformer_layer_config")
-        unsupported = [key for key in ("norm_before_fc", "fc_norm", "norm_output") if config.get(key)]
-        if unsupported:
-            raise UserError(f"{config_file}: {unsupported} set; this draft class implements neither")
+        if config.get("fc_norm"):
+            raise UserError(f"{config_file}: fc_norm is set; this draft class has no norm per target state")
         n = target_num_layers
         aux = config.get("eagle_aux_hidden_state_layer_ids")
         cfg = checked_config(
@@ -116,6 +120,8 @@ def load_speculators_eagle3(path: Path, config: dict[str, Any], target_num_layer
                 "draft_vocab_size": config.get("draft_vocab_size"),
                 "aux_layer_ids": [2, n // 2, n - 3] if aux is None else aux,
                 "norm_before_residual": config.get("norm_before_residual", True),  # missing: true, as vLLM reads it
+                "norm_before_fc": config.get("norm_before_fc", False),
+                "norm_output": config.get("norm_output", False),
             },
             {"layer_config": "transformer_layer_config", "aux_layer_ids": "eagle_aux_hidden_state_layer_ids"},
         )
@@ -158,6 +164,16 @@ def unsupported(config: Eagle3Config) -> list[str]:
             "norm_before_residual is true, but SGLang's LlamaForCausalLMEagle3 only implements false (it would run "
             "this draft with another residual and draft wrong tokens); export --format speculators for vLLM, or "
             "train with draft.norm_before_residual: false"
+        )
+    if config.norm_before_fc:
+        out.append(
+            "norm_before_fc is true, but SGLang's LlamaForCausalLMEagle3 has no norm before fc (it would skip the "
+            "input_norm weight unread and run another draft); export --format speculators for vLLM"
+        )
+    if config.norm_output:
+        out.append(
+            "norm_output is true, but SGLang's LlamaForCausalLMEagle3 feeds the pre-norm output back between draft "
+            "steps; export --format speculators for vLLM"
         )
     if len(config.aux_layer_ids) != 3:
         out.append(f"SGLang's fc takes exactly 3 target states; this draft reads {len(config.aux_layer_ids)}")

@@ -9,6 +9,8 @@ What llama.cpp does with it (SPEC.md section 10), and why the writer refuses som
 - it reads the aux layer ids from the top-level `eagle_aux_hidden_state_layer_ids`, as vLLM counts them, and
   needs exactly 3 (its fc takes 3 target states);
 - `--spec-type draft-eagle3` must be passed: the type is not detected from the file;
+- it runs `norm_before_fc` (the converter maps `input_norm` and writes `eagle3.norm_before_fc`) but ignores
+  `norm_output`: it always feeds the pre-norm output back, so a norm_output draft is refused;
 - it drafts the argmax, chain only.
 """
 
@@ -44,9 +46,16 @@ class GGUFLayout(SpeculatorsLayout):
 
     def unsupported(self, draft: Eagle3Draft) -> list[str]:
         ids = draft.config.aux_layer_ids
+        out = []
         if len(ids) != 3:
-            return [f"llama.cpp's EAGLE-3 fc takes exactly 3 target states; this draft reads {len(ids)} ({ids})"]
-        return []
+            out.append(f"llama.cpp's EAGLE-3 fc takes exactly 3 target states; this draft reads {len(ids)} ({ids})")
+        if draft.config.norm_output:
+            out.append(
+                "norm_output is true, but llama.cpp ignores it and feeds the pre-norm output back between draft "
+                "steps (it would draft wrong tokens); export --format speculators for vLLM, or train with "
+                "draft.norm_output: false"
+            )
+        return out
 
     def finish(self, out: Path, target_dir: Path, dtype: str) -> None:
         llamacpp.convert(out, out / DRAFT_FILE, OUTTYPES[dtype], target_dir=target_dir)

@@ -6,6 +6,11 @@
     out  = out + mlp(post_attention_layernorm(out))                    pre-norm output, fed back as next h
     logits = lm_head(norm(out))                                        over the reduced draft vocab
 
+EAGLE-3.1's two switches (speculators' names, which vLLM and llama.cpp's converter read):
+    norm_before_fc   h0 = fc(input_norm(concat(aux)))    one RMSNorm over the 3 x H_target concatenation, which
+                     tames targets with huge outlier channels in the residual stream (SmolLM2 has them)
+    norm_output      norm(out) is fed back as the next step's h instead of out (logits are unchanged)
+
 Training-time test (TTT) unrolls the layer `steps` times: tokens stay teacher-forced, the hidden input
 of step i is step i-1's output. Keys of step 0 are attended causally; keys of steps 1..i only at the
 query's own position (the draft token it produced there). RoPE position of step i is pos + i.
@@ -65,6 +70,8 @@ class Eagle3Config:
     norm_before_residual: bool = False
     target_vocab_size: int = field(default=0)
     target_num_layers: int = 0  # the target's decoder layer count (0: unknown, e.g. an imported draft)
+    norm_before_fc: bool = False
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
         if not self.target_vocab_size:
@@ -79,7 +86,13 @@ class Eagle3Config:
 
     @classmethod
     def for_target(
-        cls, target_config, aux_layer_ids: list[int], draft_vocab_size: int, norm_before_residual: bool
+        cls,
+        target_config,
+        aux_layer_ids: list[int],
+        draft_vocab_size: int,
+        norm_before_residual: bool,
+        norm_before_fc: bool = False,
+        norm_output: bool = False,
     ) -> Eagle3Config:
         """One decoder layer shaped like the target's (hidden size, heads, MLP width, RoPE)."""
         layer = LlamaConfig(
@@ -106,6 +119,8 @@ class Eagle3Config:
             list(aux_layer_ids),
             norm_before_residual,
             target_num_layers=target_config.num_hidden_layers,
+            norm_before_fc=norm_before_fc,
+            norm_output=norm_output,
         )
 
 
@@ -164,6 +179,8 @@ def checked_config(values: dict[str, Any], keys: dict[str, str] | None = None) -
         target_num_layers=int_field(
             values, "target_num_layers", 0, MAX_LAYERS, default=0, name=name("target_num_layers")
         ),
+        norm_before_fc=bool_field(values, "norm_before_fc", False, name=name("norm_before_fc")),
+        norm_output=bool_field(values, "norm_output", False, name=name("norm_output")),
     )
 
 
@@ -273,14 +290,17 @@ class DraftCache:
 
 
 class Eagle3Draft(nn.Module):
-    """Weight names follow the speculators/vLLM layout (`fc`, `layers.0.*`, `norm`, `lm_head`, `d2t`, `t2d`)."""
+    """Weight names follow the speculators/vLLM layout (`fc`, `layers.0.*`, `norm`, `lm_head`, `d2t`, `t2d`, and
+    `input_norm` with norm_before_fc)."""
 
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__()
         self.config = config
         llama = config.llama
         h = llama.hidden_size
-        self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, h, bias=False)
+        fused = len(config.aux_layer_ids) * config.target_hidden_size
+        self.input_norm = LlamaRMSNorm(fused, eps=llama.rms_norm_eps) if config.norm_before_fc else None
+        self.fc = nn.Linear(fused, h, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(llama, config.norm_before_residual)])
         self.norm = LlamaRMSNorm(h, eps=llama.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
@@ -292,10 +312,19 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("t2d", t2d)
         self.gradient_checkpointing = False
 
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's concatenated aux states [..., A*H_target] -> the first hidden input [..., H]."""
+        return self.fc(aux if self.input_norm is None else self.input_norm(aux))
+
+    def _outputs(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the hidden fed back as the next step's h, draft-vocab logits) from the layer's pre-norm output."""
+        normed = self.norm(out)
+        return (normed if self.config.norm_output else out), self.lm_head(normed)
+
     def step(
         self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, past: list[KV]
     ) -> tuple[torch.Tensor, torch.Tensor, KV]:
-        """One draft step: (pre-norm output to feed back, draft-vocab logits, this step's k/v)."""
+        """One draft step: (the output to feed back, draft-vocab logits, this step's k/v)."""
         with torch.no_grad():
             embeds = self.embed_tokens(tokens).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, positions)
@@ -306,7 +335,7 @@ class Eagle3Draft(nn.Module):
             out, kv = checkpoint(layer, embeds, hidden, cos, sin, list(past), use_reentrant=False)
         else:
             out, kv = layer(embeds, hidden, cos, sin, past)
-        return out, self.lm_head(self.norm(out)), kv
+        return *self._outputs(out), kv
 
     def decode(
         self,
@@ -317,18 +346,17 @@ class Eagle3Draft(nn.Module):
         allowed: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Inference step over T new inputs [1, T] (hidden already fused by `fc`, or a previous output):
-        (pre-norm outputs to feed back, draft-vocab logits). See `Eagle3Layer.decode` for `allowed`."""
+        (outputs to feed back, draft-vocab logits). See `Eagle3Layer.decode` for `allowed`."""
         embeds = self.embed_tokens(tokens).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, positions)
-        out = self.layers[0].decode(embeds, hidden, cos, sin, cache, allowed)
-        return out, self.lm_head(self.norm(out))
+        return self._outputs(self.layers[0].decode(embeds, hidden, cos, sin, cache, allowed))
 
     def ttt_forward(
         self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, steps: int
     ) -> list[torch.Tensor]:
         """Unrolled training forward. tokens/positions: [B, T] (already shifted, see training.ttt);
         aux: [B, T, A*H_target]. Returns the logits of each step, [B, T, draft_vocab]."""
-        hidden = self.fc(aux)
+        hidden = self.fuse(aux)
         past: list[KV] = []
         logits = []
         for i in range(steps):

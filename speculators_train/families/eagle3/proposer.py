@@ -32,7 +32,7 @@ class Eagle3Proposer:
     def reset(self) -> None:
         self.cache = DraftCache()
         self.committed = 0  # hidden states g_0 .. g_{committed-1} are in the cache
-        self.hidden: torch.Tensor | None = None  # pre-norm output at the last committed index [1, 1, H]
+        self.hidden: torch.Tensor | None = None  # the fed-back output at the last committed index [1, 1, H]
         self.logits: torch.Tensor | None = None  # its draft-vocab logits [D]
 
     def _step(
@@ -45,7 +45,7 @@ class Eagle3Proposer:
         self.cache.crop(self.committed)
         m = len(tokens)
         dtype = self.draft.fc.weight.dtype
-        hidden = self.draft.fc(states.to(self.device, dtype)[None])
+        hidden = self.draft.fuse(states.to(self.device, dtype)[None])
         positions = torch.arange(self.committed + 1, self.committed + 1 + m, device=self.device)
         ids = torch.tensor(tokens, device=self.device)
         out, logits = self._step(ids, hidden, positions, _allowed_causal(self.committed, m, self.device))

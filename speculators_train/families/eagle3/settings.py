@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from speculators_train.families.base import FamilySettings
+from speculators_train.families.divergence import Divergence
 
 
 class Settings(FamilySettings):
@@ -15,6 +16,13 @@ class Settings(FamilySettings):
     ttt_steps: int = Field(7, gt=0, description="Training-time test unroll depth.")
     step_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of step i is step_decay**i.")
     norm_before_residual: bool = Field(False, description="SGLang only runs false.")
+    norm_before_fc: bool = Field(
+        False, description="EAGLE-3.1: RMSNorm over the concatenated target states before fc (vLLM, llama.cpp)."
+    )
+    norm_output: bool = Field(
+        False, description="EAGLE-3.1: feed the post-norm output back between steps (vLLM; llama.cpp ignores it)."
+    )
+    loss: Divergence = Field("ce", description="ce (soft cross-entropy) or another divergence; see README.")
 
     formats: ClassVar[tuple[str, ...]] = ("speculators", "sglang", "gguf")
 
@@ -30,9 +38,24 @@ class Settings(FamilySettings):
                 f"target.aux_layer_ids {ids}: an EAGLE-3 draft reads exactly 3 target states (vLLM, SGLang and "
                 "llama.cpp build its fc 3 x hidden wide); give 3 ids"
             )
-        if recipe.export.format == "sglang" and self.norm_before_residual:
+        if recipe.export.format == "sglang":
+            problems += [
+                f"export.format 'sglang' with draft.{flag} true: SGLang's LlamaForCausalLMEagle3 {what} and would "
+                f"draft wrong tokens; export for vLLM (speculators) or train with false"
+                for flag, what in SGLANG_LACKS.items()
+                if getattr(self, flag)
+            ]
+        if recipe.export.format == "gguf" and self.norm_output:
             problems.append(
-                "export.format 'sglang' with draft.norm_before_residual true: SGLang's LlamaForCausalLMEagle3 only "
-                "implements false and would draft wrong tokens; export for vLLM (speculators) or train with false"
+                "export.format 'gguf' with draft.norm_output true: llama.cpp feeds the pre-norm output back and "
+                "ignores norm_output, so it would draft wrong tokens; export for vLLM (speculators) or train with false"
             )
         return problems
+
+
+# What SGLang's EAGLE-3 layer cannot run as trained, by the setting that asks for it.
+SGLANG_LACKS = {
+    "norm_before_residual": "only implements false",
+    "norm_before_fc": "has no norm before fc (it skips the input_norm weight unread)",
+    "norm_output": "feeds the pre-norm output back",
+}
