@@ -88,7 +88,13 @@ class RegenerateConfig(Section):
     temperature: float = Field(0.0, ge=0.0, description="0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(512, gt=0)
-    batch_size: int = Field(16, gt=0)
+    batch_size: int = Field(16, gt=0, description="Prompts decoded together (llama.cpp: the server's parallel slots).")
+    engine: Literal["transformers", "llama.cpp"] = Field(
+        "transformers",
+        description="llama.cpp: llama-server decodes the replies from the target's GGUF file, `batch_size` at once "
+        "in parallel slots (the quantized file that is served, not a float copy); hidden states are still captured "
+        "in transformers.",
+    )
     max_turns: int | None = Field(None, gt=0, description="Keep only the first N exchanges of each conversation.")
 
     @classmethod
@@ -311,6 +317,14 @@ class Recipe(Section):
         if self.training.init_from and not draft.fine_tunes:
             problems.append(f"training.init_from: {name} drafts start fresh; remove it")
         problems += draft.recipe_problems(self)
+        from speculators_train.target import gguf_file  # target.py imports this module
+
+        regen = self.data.regenerate
+        if regen.enabled and regen.engine == "llama.cpp" and gguf_file(self.target) is None:
+            problems.append(
+                f"data.regenerate.engine 'llama.cpp': target {self.target.name_or_path!r} is not a GGUF file "
+                "(llama.cpp serves GGUF); use engine 'transformers' or a .gguf target"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         return self

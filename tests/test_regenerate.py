@@ -75,3 +75,57 @@ def test_max_turns_keeps_only_the_first_exchanges(target):
     cfg = RegenerateConfig(enabled=True, max_new_tokens=4, batch_size=1, max_turns=1)
     (out,) = regenerate([Conversation("t:5", turns, "v")], target.model, target.tokenizer, cfg, 512, seed=0)
     assert [m["role"] for m in out.messages] == ["user", "assistant"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first run on a machine builds llama.cpp
+def test_llamacpp_regeneration_answers_each_turn_from_the_served_gguf(target, tmp_path):
+    """The GGUF the recipe names answers, in llama-server's parallel slots; each turn is conditioned on the
+    regenerated earlier turns (what one request of the same rendered prompt to the same server returns)."""
+    from speculators_train.data.regenerate import regenerate_llamacpp
+    from speculators_train.engines import llamacpp
+    from speculators_train.recipe import TargetConfig
+    from speculators_train.target import gguf_file
+
+    gguf = gguf_file(TargetConfig())
+    tok = target.tokenizer
+    convs = [
+        Conversation(
+            f"t:{i}",
+            (
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": "ORIGINAL ONE"},
+                {"role": "user", "content": "Say it again, shorter."},
+                {"role": "assistant", "content": "ORIGINAL TWO"},
+            ),
+            "x",
+        )
+        for i, question in enumerate(["Name a fruit.", "What is 2 + 2?", "Name a colour.", "Say hello."])
+    ]
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=12, batch_size=4, engine="llama.cpp")
+    out = regenerate_llamacpp(convs, tok, cfg, max_length=512, seed=0, gguf=gguf)
+    with llamacpp.Server(gguf, [], tmp_path / "one.log") as server:
+        for conv, regenerated in zip(convs, out, strict=True):
+            assert [m["role"] for m in regenerated.messages] == ["user", "assistant", "user", "assistant"]
+            for turn in (1, 3):
+                history = [*regenerated.messages[:turn]]
+                prompt = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+                ids = tok(prompt, add_special_tokens=False)["input_ids"]
+                alone = tok.decode(server.generate(ids, 12, 0.0, 1.0, 0), skip_special_tokens=True).strip()
+                assert regenerated.messages[turn]["content"] == alone != conv.messages[turn]["content"]
+
+
+def test_llamacpp_regeneration_needs_a_gguf_target(tmp_path):
+    from speculators_train.errors import UserError
+    from speculators_train.recipe import load_recipe
+
+    from .conftest import SHAREGPT, make_recipe
+
+    path = make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}])
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text("{}")
+    overrides = {"data.regenerate.enabled": True, "data.regenerate.engine": "llama.cpp"}
+    assert load_recipe(path, overrides).data.regenerate.engine == "llama.cpp"  # the default target is a GGUF
+    with pytest.raises(UserError, match=r"data\.regenerate\.engine 'llama\.cpp': target .* is not a GGUF file"):
+        load_recipe(path, {**overrides, "target.name_or_path": str(hf_dir)})

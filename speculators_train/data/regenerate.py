@@ -7,24 +7,100 @@ the already-regenerated earlier turns, batched across conversations.
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import torch
 
 from speculators_train.data.conversations import Conversation
 from speculators_train.recipe import RegenerateConfig
+
+# One turn's requests: (rendered prompt, its token count, new-token cap) -> reply texts, in order.
+Replies = Callable[[list[tuple[str, int, int]]], list[str]]
 
 
 @torch.inference_mode()
 def regenerate(
     conversations: list[Conversation], model, tokenizer, cfg: RegenerateConfig, max_length: int, seed: int
 ) -> list[Conversation]:
-    """Same conversations with every assistant turn produced by the target (seeded, so reruns match)."""
+    """Same conversations with every assistant turn produced by the target in `transformers` (seeded, so reruns
+    match), batched `cfg.batch_size` prompts of similar length at a time."""
     generator_seed = torch.Generator().manual_seed(seed)
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator_seed)))
-    messages = [_first_turns(_without_leading_replies(list(c.messages)), cfg.max_turns) for c in conversations]
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if tokenizer.pad_token is None:  # e.g. Llama-3 tokenizers ship without one; batching needs it
         tokenizer.pad_token = tokenizer.eos_token
+
+    def replies(requests: list[tuple[str, int, int]]) -> list[str]:
+        texts: list[str] = []
+        for start in range(0, len(requests), cfg.batch_size):
+            batch = requests[start : start + cfg.batch_size]
+            enc = tokenizer(
+                [prompt for prompt, _, _ in batch],
+                return_tensors="pt",
+                padding=True,
+                padding_side="left",
+                add_special_tokens=False,
+            )
+            out = model.generate(
+                **enc.to(device),
+                max_new_tokens=max(cap for _, _, cap in batch),
+                do_sample=cfg.temperature > 0,
+                temperature=cfg.temperature if cfg.temperature > 0 else None,
+                top_p=cfg.top_p if cfg.temperature > 0 else None,
+                top_k=None,
+                pad_token_id=pad_id,
+            )
+            texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        return texts
+
+    return _regenerate(conversations, tokenizer, cfg, max_length, replies)
+
+
+def regenerate_llamacpp(
+    conversations: list[Conversation],
+    tokenizer,
+    cfg: RegenerateConfig,
+    max_length: int,
+    seed: int,
+    gguf: Path,
+    server_cpu: list[float] | None = None,
+) -> list[Conversation]:
+    """Same conversations with every assistant turn produced by llama.cpp serving the target's GGUF file (the one
+    an engine serves), `cfg.batch_size` requests decoding at once in the server's parallel slots. Prompts are
+    rendered by the same chat template and sent as token ids. The server's CPU seconds are appended to
+    `server_cpu` (benchmarks)."""
+    from speculators_train.engines import llamacpp
+
+    slots = cfg.batch_size
+    log = Path(tempfile.gettempdir()) / f"speculators_train-regenerate-{os.getpid()}.log"
+    with llamacpp.Server(gguf, [], log, ctx=slots * max_length, slots=slots) as server:
+
+        def reply(index: int, request: tuple[str, int, int]) -> str:
+            prompt, _, cap = request
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            tokens = server.generate(ids, cap, cfg.temperature, cfg.top_p, seed + index)
+            return tokenizer.decode(tokens, skip_special_tokens=True)
+
+        def replies(requests: list[tuple[str, int, int]]) -> list[str]:
+            with ThreadPoolExecutor(slots) as pool:
+                return list(pool.map(reply, range(len(requests)), requests))
+
+        out = _regenerate(conversations, tokenizer, cfg, max_length, replies)
+        if server_cpu is not None:
+            server_cpu.append(server.cpu_seconds())
+        return out
+
+
+def _regenerate(
+    conversations: list[Conversation], tokenizer, cfg: RegenerateConfig, max_length: int, replies: Replies
+) -> list[Conversation]:
+    """Turns are regenerated in order, each conditioned on the already-regenerated earlier turns."""
+    messages = [_first_turns(_without_leading_replies(list(c.messages)), cfg.max_turns) for c in conversations]
     for turn in range(max((len(m) for m in messages), default=0)):
         todo = [i for i, m in enumerate(messages) if turn < len(m) and m[turn]["role"] == "assistant"]
         prompts = {
@@ -37,31 +113,10 @@ def regenerate(
                 messages[i] = messages[i][:turn]
         # Similar lengths batch together (little padding), and nobody generates what truncation would drop.
         fits = sorted((i for i in todo if lengths[i] < max_length), key=lambda i: (lengths[i], i))
-        for start in range(0, len(fits), cfg.batch_size):
-            batch = fits[start : start + cfg.batch_size]
-            enc = tokenizer(
-                [prompts[i] for i in batch],
-                return_tensors="pt",
-                padding=True,
-                padding_side="left",
-                add_special_tokens=False,
-            )
-            out = model.generate(
-                **enc.to(device),
-                max_new_tokens=min(cfg.max_new_tokens, max_length - lengths[batch[0]]),
-                do_sample=cfg.temperature > 0,
-                temperature=cfg.temperature if cfg.temperature > 0 else None,
-                top_p=cfg.top_p if cfg.temperature > 0 else None,
-                top_k=None,
-                pad_token_id=pad_id,
-            )
-            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-            for i, text in zip(batch, texts, strict=True):
-                messages[i] = [
-                    *messages[i][:turn],
-                    {"role": "assistant", "content": text.strip()},
-                    *messages[i][turn + 1 :],
-                ]
+        requests = [(prompts[i], lengths[i], min(cfg.max_new_tokens, max_length - lengths[i])) for i in fits]
+        for i, text in zip(fits, replies(requests), strict=True):
+            reply = {"role": "assistant", "content": text.strip()}
+            messages[i] = [*messages[i][:turn], reply, *messages[i][turn + 1 :]]
     # A conversation cut before its first assistant turn is counted as a skip when rendered.
     return [Conversation(c.id, tuple(m), c.origin) for c, m in zip(conversations, messages, strict=True)]
 

@@ -272,10 +272,13 @@ def parse_metrics(text: str) -> dict[str, Any]:
 class Server:
     """A llama-server on a free local port, for one model and speculative setting; a context manager."""
 
-    def __init__(self, model: Path, extra: list[str], logfile: Path, threads: int | None = None, ctx: int = 4096):
+    def __init__(
+        self, model: Path, extra: list[str], logfile: Path, threads: int | None = None, ctx: int = 4096, slots: int = 1
+    ):
+        """`slots`: requests decoded at once (continuous batching); `ctx` is shared among them."""
         self.model, self.extra, self.logfile = model, extra, logfile
         self.threads = threads or len(os.sched_getaffinity(0))
-        self.ctx = ctx
+        self.ctx, self.slots = ctx, slots
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
@@ -283,7 +286,7 @@ class Server:
         return [
             str(ensure_built() / "llama-server"),
             "-m", str(self.model), "--host", "127.0.0.1", "--port", str(port),
-            "-t", str(self.threads), "-c", str(self.ctx), "-np", "1", "--metrics", "--no-webui",
+            "-t", str(self.threads), "-c", str(self.ctx), "-np", str(self.slots), "--metrics", "--no-webui",
             *self.extra,
         ]  # fmt: skip
 
@@ -330,6 +333,30 @@ class Server:
     def metrics(self) -> dict[str, Any]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
             return parse_metrics(r.read().decode())
+
+    def generate(self, ids: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int) -> list[int]:
+        """The reply's token ids (end-of-generation token excluded) to prompt ids; safe to call from several threads,
+        which the server decodes together in its slots."""
+        reply = self._post(
+            "/completion",
+            {
+                "prompt": ids,
+                "n_predict": max_new_tokens,
+                "temperature": temperature,
+                "top_p": top_p,
+                "top_k": 0,
+                "seed": seed,
+                "cache_prompt": False,
+                "return_tokens": True,
+                "stream": False,
+            },
+        )
+        return list(reply.get("tokens") or [])
+
+    def cpu_seconds(self) -> float:
+        """CPU time the server process has used so far (user + system), from /proc."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def complete(self, ids: list[int], max_new_tokens: int, seed: int = 0) -> Completion:
         """Greedy decoding of token ids (the prompt already rendered by the chat template), stopping at the
