@@ -141,6 +141,13 @@ class DeepSpeedConfig(Section):
 class TrainingConfig(Section):
     epochs: int = Field(1, gt=0)
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps (a budget).")
+    max_minutes: float | None = Field(
+        None,
+        gt=0,
+        description="A training-time budget: stop at the first optimizer step past it. Validation and checkpoints "
+        "are not counted, a resumed run counts its earlier time, and the learning-rate schedule runs over the "
+        "time instead of the steps (so such a run is not bit-reproducible).",
+    )
     init_from: str | None = Field(
         None, description="A draft of the recipe's family to fine-tune: ours, or one in a layout the family reads."
     )

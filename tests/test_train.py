@@ -333,3 +333,43 @@ def test_medusa_heads_learn_tokens_two_ahead_on_real_states_and_verify_with_thei
     _, records = verify(recipe, tmp_path / "run", tmp_path / "verify")
     assert re.fullmatch(r"tree\(measured, depth=[1-3], budget=6\)", records[0]["shape"])
     assert records[0]["greedy_identical_outputs"] == "2/2"
+
+
+def test_a_time_budget_stops_training_and_schedules_the_learning_rate_over_the_time(tmp_path, states):
+    """training.max_minutes: the run stops at the first step past the budget, validation time is not counted, and
+    the cosine schedule runs over the time (so the learning rate falls as the budget is spent, to 0 at its end)."""
+    budget = 0.1  # 6 s of training steps; 50 epochs would take far longer
+    recipe = load_recipe(
+        run_recipe(tmp_path, states, training={"epochs": 50, "max_minutes": budget, "eval_every_steps": 2})
+    )
+    trainer = Trainer(recipe)
+    trainer.train()
+    state = trainer.state
+    assert 60 * budget <= state["train_seconds"] < 60 * budget + 30  # one step past the budget at most
+    assert state["epoch"] < 50 and state["step"] == state["held_out_step"]
+    records = [json.loads(x) for x in (tmp_path / "run" / "train" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in records if "lr" in r]
+    assert len(lrs) == state["step"] >= 2
+    assert lrs == sorted(lrs, reverse=True) and lrs[-1] == 0.0 < lrs[0]  # warmup_ratio 0 here: cosine from the start
+    assert trainer.train() == state["held_out"] and trainer.state["step"] == state["step"]  # a rerun does nothing
+
+
+def test_a_run_saved_before_a_setting_existed_resumes(tmp_path, states):
+    """Checkpoints record the draft and data settings a resumed run must share; an option added to either since
+    (EAGLE-3.1's norms, the loss, the regeneration engine) reads as its default, not as a different run."""
+    path = run_recipe(tmp_path, states, training={"epochs": 2})
+    trainer = Trainer(load_recipe(path, {"training.max_steps": 2}))
+    trainer.train()
+    ckpt_dir = tmp_path / "run" / "train" / "checkpoints"
+    state_file = (
+        ckpt_dir / f"step-{json.loads((ckpt_dir / 'latest.json').read_text())['step']:06d}" / "trainer_state.json"
+    )
+    state = json.loads(state_file.read_text())
+    for key in ("norm_before_fc", "norm_output", "loss"):
+        del state["identity"]["draft"][key]
+    del state["identity"]["data"]["regenerate"]["engine"]
+    state_file.write_text(json.dumps(state))
+    resumed = Trainer(load_recipe(path))
+    assert resumed.state["step"] == 2
+    with pytest.raises(UserError, match=r"trained with other settings .*draft"):
+        Trainer(load_recipe(path, {"draft.loss": "lk"}))

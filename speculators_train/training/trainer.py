@@ -87,6 +87,21 @@ def resume_identity(recipe: Recipe, data_fingerprint: str, world: int) -> dict[s
     return identity
 
 
+def _with_defaults(identity: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
+    """A stored identity with settings added since it was written read as their defaults, so a new option never
+    stops an old run from resuming."""
+    identity = dict(identity)
+    try:
+        if isinstance(identity.get("draft"), dict):
+            identity["draft"] = type(recipe.draft).model_validate(identity["draft"]).model_dump()
+        if isinstance(identity.get("data"), dict):
+            data = type(recipe.data).model_validate({**identity["data"], "mix": recipe.data.mix})
+            identity["data"] = data.model_dump(exclude={"mix"})
+    except ValueError:  # not a valid section at all: compared as stored, and named as a difference
+        pass
+    return identity
+
+
 class Trainer:
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
@@ -108,6 +123,15 @@ class Trainer:
                 "or kept as best; raise data.held_out_fraction"
             )
         self.identity = resume_identity(recipe, self.source.data_fingerprint, world)
+        self.state = {
+            "step": 0,
+            "epoch": 0,
+            "position": None,
+            "tokens": 0,
+            "train_seconds": 0.0,
+            "best": None,
+            "identity": self.identity,
+        }
         # The head is built first: its lm_head's initialisation draws from the seeded generator before the draft's
         # (then overwritten), so a seed keeps giving the same draft.
         head = TargetHead.from_weights(target_config, weights)
@@ -125,18 +149,42 @@ class Trainer:
         steps_per_epoch = math.ceil(self.batches_per_epoch / self.cfg.gradient_accumulation_steps)
         total = self.cfg.epochs * steps_per_epoch
         self.total_steps = min(total, self.cfg.max_steps) if self.cfg.max_steps else total
+        from torch.optim.lr_scheduler import LambdaLR
         from transformers import get_cosine_schedule_with_warmup
 
-        self.scheduler = get_cosine_schedule_with_warmup(
-            opt, round(self.cfg.warmup_ratio * self.total_steps), self.total_steps
-        )
+        if self.cfg.max_minutes:  # warmup and cosine over the time budget; the step count is unknown ahead
+            self.scheduler = LambdaLR(opt, lambda _step: self._time_lr_factor())
+        else:
+            self.scheduler = get_cosine_schedule_with_warmup(
+                opt, round(self.cfg.warmup_ratio * self.total_steps), self.total_steps
+            )
         self.model, self.optimizer = self.acc.prepare(objective, opt)
         self.run_dir = recipe.run_dir / "train"
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.wandb = None
-        self.state = {"step": 0, "epoch": 0, "position": None, "tokens": 0, "best": None, "identity": self.identity}
         self._saved: str | None = None  # the `_position()` of the last checkpoint written or resumed from
         self._resume()
+
+    def _time_lr_factor(self) -> float:
+        """Linear warmup over `warmup_ratio` of the time budget, then cosine to 0 at its end."""
+        progress = min(1.0, self.state["train_seconds"] / (60 * self.cfg.max_minutes))
+        warmup = self.cfg.warmup_ratio
+        if progress < warmup:
+            return progress / warmup
+        return 0.5 * (1 + math.cos(math.pi * (progress - warmup) / (1 - warmup)))
+
+    def _out_of_time(self) -> bool:
+        return bool(self.cfg.max_minutes) and self.state["train_seconds"] >= 60 * self.cfg.max_minutes
+
+    def _max_across_ranks(self, value: float) -> float:
+        """Ranks' clocks differ; the time budget must stop them all at the same step."""
+        if self.acc.num_processes == 1:
+            return value
+        import torch.distributed as dist
+
+        tensor = torch.tensor(value, device=self.acc.device, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return float(tensor)
 
     def _min_across_ranks(self, value: int) -> int:
         if self.acc.num_processes == 1:
@@ -157,7 +205,7 @@ class Trainer:
         if path is None:
             return
         optimizer_state, state = ckpt.load_training_state(path)
-        stored = state.get("identity", {})
+        stored = _with_defaults(state.get("identity", {}), self.recipe)
         diffs = {k: (stored.get(k), v) for k, v in self.identity.items() if stored.get(k) != v}
         if diffs:
             detail = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in diffs.items())
@@ -297,7 +345,7 @@ class Trainer:
         losses: list[torch.Tensor] = []
         tokens, started = 0, time.perf_counter()
         self.model.train()
-        while state["step"] < self.total_steps and state["epoch"] < cfg.epochs:
+        while state["step"] < self.total_steps and state["epoch"] < cfg.epochs and not self._out_of_time():
             finished_epoch = True
             for batch, position in self.source.epoch(state["epoch"], state["position"]):
                 # 1) forward + loss, backward; clip and step once per accumulated group
@@ -312,10 +360,14 @@ class Trainer:
                 if not self.acc.sync_gradients:
                     continue
                 # 2) bookkeeping of one optimizer step
+                seconds = time.perf_counter() - started
+                state["train_seconds"] = state.get("train_seconds", 0.0) + (
+                    self._max_across_ranks(seconds) if cfg.max_minutes else seconds
+                )
                 self.scheduler.step()
                 state["step"] += 1
                 state["tokens"] += tokens * self.acc.num_processes
-                rate = tokens * self.acc.num_processes / (time.perf_counter() - started)
+                rate = tokens * self.acc.num_processes / seconds
                 record = {
                     "step": state["step"],
                     "epoch": state["epoch"],
@@ -330,20 +382,21 @@ class Trainer:
                 self._log(record)
                 bar.update(1)
                 bar.set_postfix(tok_s=f"{rate:.0f}", loss=f"{record['loss']:.3f}")
-                losses, tokens, started = [], 0, time.perf_counter()
                 if cfg.eval_every_steps and state["step"] % cfg.eval_every_steps == 0:
                     self._evaluate()
                 due = cfg.save_every_steps and state["step"] % cfg.save_every_steps == 0
                 if due and self._saved != self._position():
                     self._save()
-                if state["step"] >= self.total_steps:
+                if state["step"] >= self.total_steps or self._out_of_time():
                     finished_epoch = False
                     break
+                losses, tokens, started = [], 0, time.perf_counter()  # validation and saves are not training time
             # 3) end of the epoch or of the budget: validate, checkpoint, keep the best
             if finished_epoch:
                 state["epoch"] += 1
                 state["position"] = None
             self._finish_step()
+            started = time.perf_counter()
         # 4) a run killed after its last checkpoint, before that step's validation, resumes with nothing to train
         self._finish_step()
         bar.close()
