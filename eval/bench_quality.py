@@ -1,0 +1,192 @@
+"""Draft quality per unit of compute: every variant trains from scratch for the same budget on the same stored
+slice, with the same seed, and is scored the same way, so rows compare.
+
+    .venv/bin/python eval/bench_quality.py --minutes 30 --variant base \
+        --variant "norm_before_fc;draft.norm_before_fc=true" --variant "lk;draft.loss=lk_hybrid"
+
+A variant is `NAME[;KEY=VALUE...]`: recipe overrides, as `--set` takes them. The slice is the recipe's hidden states
+(default recipes/eagle3-smollm2-quality.yaml; generated first if missing), shared by every variant through a link.
+The budget is training time (`training.max_minutes`: validation and checkpoint writes are not counted, and the
+learning-rate schedule runs over the time), or `--steps` optimizer steps. Each variant reports:
+
+- the budget actually used: training seconds, optimizer steps, training tokens;
+- teacher-forced held-out AL: 1 + sum of full_acc_i over the draft's TTT steps up to K (the trainer's own
+  validation, on the recipe's held-out split), and its per-step full accuracies;
+- the real loop's AL at K (chain, greedy) and its speedup against the target alone, on each `--suites` suite
+  (`--prompts` prompts x `--max-new-tokens` tokens, the same prompts for every variant).
+
+Variants run one after another (training and verify in subprocesses, so each starts with clean memory); a rerun
+resumes a variant whose training was cut short and skips one already scored. Prints one JSON line on stdout and a
+table on stderr; results also go to <run>/quality/<name>/quality.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from speculators_train.errors import UserError, run_script
+from speculators_train.loading import read_json, read_json_object
+from speculators_train.recipe import Recipe, load_recipe
+from speculators_train.schema import parse_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "speculators_train"]
+SUITES = "eval/suites/sharegpt-held-out.yaml,eval/suites/mt-bench.yaml"
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """'name;key=value;...' -> (name, overrides)."""
+    name, *settings = [part.strip() for part in text.split(";")]
+    if not name or "=" in name or "/" in name:
+        raise UserError(f"--variant {text!r}: start with a name (letters, digits, - or _), then ;key=value pairs")
+    return name, parse_overrides(settings)
+
+
+def _cli(*args: str) -> None:
+    """One stage in a subprocess; its output goes to this process's stderr."""
+    proc = subprocess.run([*CLI, *args], cwd=REPO, stdout=sys.stderr, env={**os.environ, "WANDB_MODE": "disabled"})
+    if proc.returncode:
+        raise UserError(f"`speculators-train {' '.join(args)}` failed (exit {proc.returncode}); its output is above")
+
+
+def _sets(overrides: dict[str, Any]) -> list[str]:
+    return [arg for key, value in overrides.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
+
+
+def train_variant(recipe_path: Path, recipe: Recipe, name: str, overrides: dict[str, Any]) -> tuple[Recipe, Path]:
+    """Train one variant in its own output_dir, reading the shared slice through a `hidden_states` link."""
+    run = recipe.run_dir / "quality" / name
+    run.mkdir(parents=True, exist_ok=True)
+    link = run / "hidden_states"
+    if not link.exists():
+        link.symlink_to(recipe.hidden_states_dir.resolve(), target_is_directory=True)
+    overrides = {"output_dir": str(run), **overrides}
+    _cli("train", str(recipe_path), *_sets(overrides))
+    return load_recipe(recipe_path, overrides), run
+
+
+def held_out(run: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the last validation record, the trainer state of the latest checkpoint)."""
+    records = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines() if line]
+    last = [r for r in records if any(k.startswith("val/") for k in r)][-1]
+    ckpts = run / "train" / "checkpoints"
+    step = read_json_object(ckpts / "latest.json", "checkpoint pointer")["step"]
+    state = read_json_object(ckpts / f"step-{step:06d}" / "trainer_state.json", "trainer state")
+    return last, state
+
+
+def loop_al(recipe_path: Path, overrides: dict[str, Any], run: Path, args: argparse.Namespace) -> list[dict]:
+    """The real loop at K (chain, greedy) on the suites; the newest results under <run>/verify."""
+    evals = {
+        "eval.suites": args.suites.split(","),
+        "eval.mode": "chain",
+        "eval.num_speculative_tokens": args.k,
+        "eval.temperatures": [0.0],
+        "eval.num_prompts": args.prompts,
+        "eval.max_new_tokens": args.max_new_tokens,
+    }
+    _cli("verify", str(recipe_path), *_sets({"output_dir": str(run), **overrides, **evals}))
+    newest = max((run / "verify").iterdir(), key=lambda p: p.name)
+    return read_json(newest / "results.json", "verify results")
+
+
+def score(recipe_path: Path, recipe: Recipe, name: str, overrides: dict[str, Any], args) -> dict[str, Any]:
+    out = recipe.run_dir / "quality" / name / "quality.json"
+    budget = {"training.max_minutes": args.minutes} if args.minutes else {"training.max_steps": args.steps}
+    overrides = {"training.epochs": 1000, **budget, **overrides}
+    if out.is_file():
+        done = read_json_object(out, "quality result")
+        if done.get("overrides") == overrides and done.get("loop", {}).get("prompts") == args.prompts:
+            return done
+    variant, run = train_variant(recipe_path, recipe, name, overrides)
+    last, state = held_out(run)
+    depth = min(args.k, variant.draft.model_dump().get("ttt_steps", args.k))
+    accs = [last.get(f"val/full_acc_{i}") for i in range(depth)]
+    records = loop_al(recipe_path, overrides, run, args)
+    result = {
+        "variant": name,
+        "overrides": overrides,
+        "budget": {
+            "train_seconds": round(state.get("train_seconds", 0.0), 1),
+            "steps": state["step"],
+            "tokens": state["tokens"],
+        },
+        "teacher_forced": {
+            "al": round(1 + sum(a for a in accs if a is not None), 4),
+            "depth": depth,
+            "full_acc": [round(a, 4) for a in accs if a is not None],
+            "step": last["step"],
+        },
+        "loop": {
+            "k": args.k,
+            "prompts": args.prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "suites": {
+                r["suite"]: {
+                    "al": round(r["acceptance_length"], 4),
+                    "per_position": [round(x, 4) for x in r.get("per_position_acceptance", [])],
+                    "speedup": round(r["speedup"], 3),
+                    "greedy_identical": r.get("greedy_identical_outputs"),
+                }
+                for r in records
+            },
+        },
+    }
+    out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def table(results: list[dict[str, Any]], suites: list[str]) -> Table:
+    t = Table(title="draft quality at a fixed budget (same slice, same seed)")
+    for col in ("variant", "train min", "steps", "tokens", "TF AL (depth)", *[f"loop AL {s}" for s in suites]):
+        t.add_column(col)
+    for r in results:
+        loop = r["loop"]["suites"]
+        t.add_row(
+            r["variant"],
+            f"{r['budget']['train_seconds'] / 60:.1f}",
+            str(r["budget"]["steps"]),
+            str(r["budget"]["tokens"]),
+            f"{r['teacher_forced']['al']:.3f} ({r['teacher_forced']['depth']})",
+            *[f"{loop[s]['al']:.3f} ({loop[s]['speedup']:.2f}x)" if s in loop else "-" for s in suites],
+        )
+    return t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default=str(REPO / "recipes/eagle3-smollm2-quality.yaml"))
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--minutes", type=float, help="training-time budget per variant (default 30)")
+    budget.add_argument("--steps", type=int, help="optimizer steps per variant instead of a time budget")
+    parser.add_argument("--variant", action="append", default=[], help="NAME[;KEY=VALUE...] (repeatable)")
+    parser.add_argument("--k", type=int, default=5, help="draft tokens per verify step in the loop")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per suite")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--suites", default=SUITES, help="comma-separated suite files")
+    args = parser.parse_args()
+    if args.minutes is None and args.steps is None:
+        args.minutes = 30.0
+    recipe_path = Path(args.recipe)
+    recipe = load_recipe(recipe_path)
+    variants = [parse_variant(v) for v in args.variant or ["base"]]
+    for _, overrides in variants:  # a typo stops here, before any generation or training
+        load_recipe(recipe_path, overrides)
+    if not (recipe.hidden_states_dir / "manifest.json").is_file():
+        _cli("generate", str(recipe_path))
+    results = [score(recipe_path, recipe, name, overrides, args) for name, overrides in variants]
+    print(json.dumps({"recipe": str(recipe_path), "results": results}), flush=True)
+    Console(stderr=True).print(table(results, list(results[0]["loop"]["suites"])))
+
+
+if __name__ == "__main__":
+    run_script(main)
