@@ -9,7 +9,8 @@ A variant is `NAME[;KEY=VALUE...]`: recipe overrides, as `--set` takes them. The
 The budget is training time (`training.max_minutes`: validation and checkpoint writes are not counted, and the
 learning-rate schedule runs over the time), or `--steps` optimizer steps. Each variant reports:
 
-- the budget actually used: training seconds, optimizer steps, training tokens;
+- the budget actually used: training seconds, optimizer steps, training tokens (and the scoring pass of
+  `training.select`, acceptance-guided data, which the training budget does not count);
 - teacher-forced held-out AL: 1 + sum of full_acc_i over the draft's TTT steps up to K (the trainer's own
   validation, on the recipe's held-out split), and its per-step full accuracies;
 - the real loop's AL at K (chain, greedy) and its speedup against the target alone, on each `--suites` suite
@@ -117,6 +118,7 @@ def score(recipe_path: Path, recipe: Recipe, name: str, overrides: dict[str, Any
         "overrides": overrides,
         "budget": {
             "train_seconds": round(state.get("train_seconds", 0.0), 1),
+            "select_seconds": round(state.get("select_seconds", 0.0), 1),  # training.select's scoring pass
             "steps": state["step"],
             "tokens": state["tokens"],
         },

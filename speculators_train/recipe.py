@@ -138,6 +138,17 @@ class DeepSpeedConfig(Section):
     offload_optimizer: bool = False
 
 
+class SelectConfig(Section):
+    """Acceptance-guided data: fine-tune `training.init_from` on the stored samples it fails on."""
+
+    keep: float = Field(gt=0, le=1, description="Share of the train samples kept.")
+    by: Literal["acceptance", "uniform"] = Field(
+        "acceptance",
+        description="acceptance: the samples with the lowest teacher-forced acceptance length under the draft being "
+        "fine-tuned; uniform: a seeded random subset of the same size (the control).",
+    )
+
+
 class TrainingConfig(Section):
     epochs: int = Field(1, gt=0)
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps (a budget).")
@@ -150,6 +161,9 @@ class TrainingConfig(Section):
     )
     init_from: str | None = Field(
         None, description="A draft of the recipe's family to fine-tune: ours, or one in a layout the family reads."
+    )
+    select: SelectConfig | None = Field(
+        None, description="Train on a subset of the stored samples (with init_from; offline hidden states)."
     )
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -324,6 +338,11 @@ class Recipe(Section):
         if self.training.init_from and not draft.fine_tunes:
             problems.append(f"training.init_from: {name} drafts start fresh; remove it")
         problems += draft.recipe_problems(self)
+        if self.training.select and not (self.training.init_from and self.generation.hidden_states == "offline"):
+            problems.append(
+                "training.select scores stored samples with the draft it fine-tunes: it needs training.init_from and "
+                "generation.hidden_states: offline"
+            )
         from speculators_train.target import gguf_file  # target.py imports this module
 
         regen = self.data.regenerate

@@ -373,3 +373,31 @@ def test_a_run_saved_before_a_setting_existed_resumes(tmp_path, states):
     assert resumed.state["step"] == 2
     with pytest.raises(UserError, match=r"trained with other settings .*draft"):
         Trainer(load_recipe(path, {"draft.loss": "lk"}))
+
+
+def test_acceptance_guided_selection_trains_on_the_samples_the_draft_fails_on(tmp_path, states):
+    """training.select scores every stored sample with the draft being fine-tuned (teacher-forced acceptance
+    length) and trains on the lowest `keep` share; `uniform` keeps a seeded subset of the same size."""
+    from speculators_train.training.select import acceptance_lengths
+
+    first = run_recipe(tmp_path / "first", states, training={"epochs": 1})
+    Trainer(load_recipe(first)).train()
+    start = tmp_path / "first" / "run" / "train" / "checkpoints"
+    chosen = {}
+    for by in ("acceptance", "uniform"):
+        path = run_recipe(tmp_path / by, states, training={"init_from": str(start), "max_steps": 1})
+        trainer = Trainer(load_recipe(path, {"training.select": {"keep": 0.5, "by": by}}))
+        source = trainer.source
+        n = len(source.train)
+        assert len(source.kept) == round(n / 2)
+        seen = {i for e in range(2) for batch in source._batches(e) for i in batch}
+        assert seen <= set(source.kept)
+        chosen[by] = source.kept
+    scorer = Trainer(load_recipe(run_recipe(tmp_path / "scorer", states, training={"init_from": str(start)})))
+    scores = acceptance_lengths(scorer.model, scorer.source.train, torch.device("cpu"))
+    assert max(scores[i] for i in chosen["acceptance"]) <= min(
+        scores[i] for i in range(len(scores)) if i not in chosen["acceptance"]
+    )
+    assert chosen["uniform"] != chosen["acceptance"]
+    with pytest.raises(UserError, match=r"training\.select scores stored samples .* needs training\.init_from"):
+        load_recipe(first, {"training.select": {"keep": 0.5}})

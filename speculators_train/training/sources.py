@@ -45,6 +45,7 @@ class OfflineSource:
         self.data_fingerprint = manifest["identity"]["data_fingerprint"]
         self.token_freq = read_token_freq(directory, manifest)
         self.train = HiddenStateShards(directory, "train")
+        self.kept = list(range(len(self.train)))  # the train samples epochs draw from (`restrict`)
         shards = HiddenStateShards(recipe.hidden_states_dir, "held_out")
         # Every rank sees all shards; each validates its own share, read lazily from the shards.
         self.held_out = torch.utils.data.Subset(shards, range(rank, len(shards), world))
@@ -52,9 +53,11 @@ class OfflineSource:
     def _batches(self, epoch: int) -> list[list[int]]:
         """A whole number of accumulation groups, so no gradient is left pending across epochs or checkpoints."""
         cfg = self.recipe.training
+        lengths = [self.train.lengths[i] for i in self.kept]
         batches = epoch_batches(
-            self.train.lengths, cfg.batch_size, self.recipe.seed, epoch, self.world, self.rank, cfg.length_bucketing
+            lengths, cfg.batch_size, self.recipe.seed, epoch, self.world, self.rank, cfg.length_bucketing
         )
+        batches = [[self.kept[i] for i in batch] for batch in batches]
         usable = len(batches) - len(batches) % cfg.gradient_accumulation_steps
         if usable == 0:
             raise UserError(f"{len(batches)} batches per rank: fewer than gradient_accumulation_steps")
@@ -62,6 +65,10 @@ class OfflineSource:
 
     def batches_per_epoch(self) -> int:
         return len(self._batches(0))
+
+    def restrict(self, kept: list[int]) -> None:
+        """Epochs draw from these train samples only (sorted indices into `train`)."""
+        self.kept = sorted(kept)
 
     def epoch(self, epoch: int, position: Any) -> Iterator[tuple[Batch, Any]]:
         batches = self._batches(epoch)

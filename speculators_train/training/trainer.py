@@ -31,6 +31,7 @@ from speculators_train.tracking import init_wandb
 from speculators_train.training import checkpoint as ckpt
 from speculators_train.training import zero
 from speculators_train.training.data import collate
+from speculators_train.training.select import select
 from speculators_train.training.sources import OfflineSource, OnlineSource
 from speculators_train.training.step import accelerator, optimizer, train_step, trainable
 
@@ -84,6 +85,8 @@ def resume_identity(recipe: Recipe, data_fingerprint: str, world: int) -> dict[s
     }
     if t.init_from:
         identity["init_from"] = t.init_from
+    if t.select:
+        identity["select"] = t.select.model_dump()
     return identity
 
 
@@ -140,6 +143,14 @@ class Trainer:
         )
         draft.gradient_checkpointing = self.cfg.gradient_checkpointing
         objective = self.family.objective(draft, head, recipe.draft)
+        if self.cfg.select is not None:
+            # Scored with the draft as it starts (every rank alike), so a resumed run selects the same samples.
+            started = time.perf_counter()
+            objective.to(self.acc.device)
+            kept = select(self.cfg.select, objective, self.source.train, recipe.seed, self.acc.device)
+            self.source.restrict(kept)
+            self.state["select_seconds"] = time.perf_counter() - started
+            log.info("training.select: %d of %d samples (%s)", len(kept), len(self.source.train), self.cfg.select.by)
         self.steps, self.metric_keys = objective.steps, objective.metric_keys
         # The acceptance length held-out validation predicts, and the best checkpoint is kept by.
         self.al_depth = min(recipe.eval.num_speculative_tokens, self.steps)
