@@ -18,8 +18,8 @@ import torch
 from speculators_train.data.conversations import Conversation
 from speculators_train.recipe import RegenerateConfig
 
-# One turn's requests: (rendered prompt, its token count, new-token cap) -> reply texts, in order.
-Replies = Callable[[list[tuple[str, int, int]]], list[str]]
+# One turn's requests: (rendered prompt, new-token cap) -> reply texts, in order.
+Replies = Callable[[list[tuple[str, int]]], list[str]]
 
 
 @torch.inference_mode()
@@ -35,12 +35,12 @@ def regenerate(
     if tokenizer.pad_token is None:  # e.g. Llama-3 tokenizers ship without one; batching needs it
         tokenizer.pad_token = tokenizer.eos_token
 
-    def replies(requests: list[tuple[str, int, int]]) -> list[str]:
+    def replies(requests: list[tuple[str, int]]) -> list[str]:
         texts: list[str] = []
         for start in range(0, len(requests), cfg.batch_size):
             batch = requests[start : start + cfg.batch_size]
             enc = tokenizer(
-                [prompt for prompt, _, _ in batch],
+                [prompt for prompt, _ in batch],
                 return_tensors="pt",
                 padding=True,
                 padding_side="left",
@@ -48,7 +48,7 @@ def regenerate(
             )
             out = model.generate(
                 **enc.to(device),
-                max_new_tokens=max(cap for _, _, cap in batch),
+                max_new_tokens=max(cap for _, cap in batch),
                 do_sample=cfg.temperature > 0,
                 temperature=cfg.temperature if cfg.temperature > 0 else None,
                 top_p=cfg.top_p if cfg.temperature > 0 else None,
@@ -80,13 +80,13 @@ def regenerate_llamacpp(
     log = Path(tempfile.gettempdir()) / f"speculators_train-regenerate-{os.getpid()}.log"
     with llamacpp.Server(gguf, [], log, ctx=slots * max_length, slots=slots) as server:
 
-        def reply(index: int, request: tuple[str, int, int]) -> str:
-            prompt, _, cap = request
+        def reply(index: int, request: tuple[str, int]) -> str:
+            prompt, cap = request
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
             tokens = server.generate(ids, cap, cfg.temperature, cfg.top_p, seed + index)
             return tokenizer.decode(tokens, skip_special_tokens=True)
 
-        def replies(requests: list[tuple[str, int, int]]) -> list[str]:
+        def replies(requests: list[tuple[str, int]]) -> list[str]:
             with ThreadPoolExecutor(slots) as pool:
                 return list(pool.map(reply, range(len(requests)), requests))
 
@@ -113,7 +113,7 @@ def _regenerate(
                 messages[i] = messages[i][:turn]
         # Similar lengths batch together (little padding), and nobody generates what truncation would drop.
         fits = sorted((i for i in todo if lengths[i] < max_length), key=lambda i: (lengths[i], i))
-        requests = [(prompts[i], lengths[i], min(cfg.max_new_tokens, max_length - lengths[i])) for i in fits]
+        requests = [(prompts[i], min(cfg.max_new_tokens, max_length - lengths[i])) for i in fits]
         for i, text in zip(fits, replies(requests), strict=True):
             reply = {"role": "assistant", "content": text.strip()}
             messages[i] = [*messages[i][:turn], reply, *messages[i][turn + 1 :]]
