@@ -97,8 +97,8 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
-FAMILY_NAMES = re.compile(r"medusa|eagle3|Medusa|Eagle3")
-RECIPE_FILE = re.compile(r"recipes/(medusa|eagle3)[\w.-]*\.yaml")
+FAMILY_NAMES = re.compile(r"medusa|eagle3|peagle|Medusa|Eagle3|PEagle|P-EAGLE")
+RECIPE_FILE = re.compile(r"recipes/(medusa|eagle3|peagle)[\w.-]*\.yaml")
 
 
 def test_only_the_families_name_a_family():

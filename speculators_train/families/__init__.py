@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 FAMILIES = (
     "eagle3",  # EAGLE-3: fused target states + one decoder layer, trained with training-time test (the default)
     "medusa",  # Medusa-1: heads over the target's last hidden state
+    "peagle",  # P-EAGLE: an EAGLE-3-shaped draft proposing every draft token in one forward
 )
 
 

@@ -33,7 +33,7 @@ WEIGHTS = "model.safetensors"
 
 def family_of(draft: nn.Module) -> Family:
     for family in families.all_families():
-        if isinstance(draft, family.draft_type):
+        if type(draft) is family.draft_type:  # exact: one family's draft may extend another's
             return family
     raise TypeError(f"{type(draft).__name__} is not the draft of a registered family")
 

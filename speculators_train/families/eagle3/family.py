@@ -37,6 +37,19 @@ class Eagle3Family(Family):
     def config_from_dict(self, saved: dict[str, Any]) -> Eagle3Config:
         return checked_config(saved)
 
+    def draft_config(
+        self, settings: Settings, target_config: Any, aux_layer_ids: list[int], draft_vocab_size: int
+    ) -> Eagle3Config:
+        """The config of a fresh draft: one decoder layer shaped like the target's."""
+        return Eagle3Config.for_target(
+            target_config,
+            aux_layer_ids,
+            draft_vocab_size,
+            settings.norm_before_residual,
+            norm_before_fc=settings.norm_before_fc,
+            norm_output=settings.norm_output,
+        )
+
     def new_draft(
         self,
         settings: Settings,
@@ -47,15 +60,7 @@ class Eagle3Family(Family):
     ) -> Eagle3Draft:
         """Vocab from token counts; the embedding (frozen), lm_head rows and norm start from the target's."""
         d2t, t2d = build_vocab_mapping(token_freq, min(settings.draft_vocab_size, token_freq.numel()))
-        config = Eagle3Config.for_target(
-            target_config,
-            aux_layer_ids,
-            d2t.numel(),
-            settings.norm_before_residual,
-            norm_before_fc=settings.norm_before_fc,
-            norm_output=settings.norm_output,
-        )
-        draft = Eagle3Draft(config)
+        draft = self.draft_type(self.draft_config(settings, target_config, aux_layer_ids, d2t.numel()))
         with torch.no_grad():
             draft.embed_tokens.weight.copy_(head["embed"])
             draft.d2t.copy_(d2t)

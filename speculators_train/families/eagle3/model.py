@@ -312,6 +312,10 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("t2d", t2d)
         self.gradient_checkpointing = False
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The draft's input embedding of `tokens` (the target's, frozen)."""
+        return self.embed_tokens(tokens)
+
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's concatenated aux states [..., A*H_target] -> the first hidden input [..., H]."""
         return self.fc(aux if self.input_norm is None else self.input_norm(aux))
@@ -325,8 +329,7 @@ class Eagle3Draft(nn.Module):
         self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, past: list[KV]
     ) -> tuple[torch.Tensor, torch.Tensor, KV]:
         """One draft step: (the output to feed back, draft-vocab logits, this step's k/v)."""
-        with torch.no_grad():
-            embeds = self.embed_tokens(tokens).to(hidden.dtype)
+        embeds = self.embed(tokens).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, positions)
         layer = self.layers[0]
         if self.gradient_checkpointing and self.training:
@@ -347,7 +350,7 @@ class Eagle3Draft(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Inference step over T new inputs [1, T] (hidden already fused by `fc`, or a previous output):
         (outputs to feed back, draft-vocab logits). See `Eagle3Layer.decode` for `allowed`."""
-        embeds = self.embed_tokens(tokens).to(hidden.dtype)
+        embeds = self.embed(tokens).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, positions)
         return self._outputs(self.layers[0].decode(embeds, hidden, cos, sin, cache, allowed))
 
