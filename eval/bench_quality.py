@@ -17,8 +17,10 @@ learning-rate schedule runs over the time), or `--steps` optimizer steps. Each v
   (`--prompts` prompts x `--max-new-tokens` tokens, the same prompts for every variant).
 
 Variants run one after another (training and verify in subprocesses, so each starts with clean memory); a rerun
-resumes a variant whose training was cut short and skips one already scored. Prints one JSON line on stdout and a
-table on stderr; results also go to <run>/quality/<name>/quality.json.
+resumes a variant whose training was cut short and skips one already scored. `--set` changes the slice itself
+(e.g. `data.regenerate.engine=llama.cpp` with its own `output_dir`); `--engine llama.cpp` scores the loop AL in
+llama-server instead. Prints one JSON line on stdout and a table on stderr; results also go to
+<run>/quality/<name>/quality[-llama.cpp][-kK].json (K other than 5).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def _sets(overrides: dict[str, Any]) -> list[str]:
     return [arg for key, value in overrides.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
 
 
-def train_variant(recipe_path: Path, recipe: Recipe, name: str, overrides: dict[str, Any]) -> tuple[Recipe, Path]:
+def train_variant(recipe_path: Path, recipe: Recipe, name: str, overrides: dict[str, Any]) -> Path:
     """Train one variant in its own output_dir, reading the shared slice through a `hidden_states` link."""
     run = recipe.run_dir / "quality" / name
     run.mkdir(parents=True, exist_ok=True)
@@ -72,7 +74,7 @@ def train_variant(recipe_path: Path, recipe: Recipe, name: str, overrides: dict[
         link.symlink_to(recipe.hidden_states_dir.resolve(), target_is_directory=True)
     overrides = {"output_dir": str(run), **overrides}
     _cli("train", str(recipe_path), *_sets(overrides))
-    return load_recipe(recipe_path, overrides), run
+    return run
 
 
 def held_out(run: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -95,26 +97,31 @@ def loop_al(recipe_path: Path, overrides: dict[str, Any], run: Path, args: argpa
         "eval.num_prompts": args.prompts,
         "eval.max_new_tokens": args.max_new_tokens,
     }
-    _cli("verify", str(recipe_path), *_sets({"output_dir": str(run), **overrides, **evals}))
+    _cli("verify", str(recipe_path), *_sets({"output_dir": str(run), **overrides, **evals}), "--engine", args.engine)
     newest = max((run / "verify").iterdir(), key=lambda p: p.name)
     return read_json(newest / "results.json", "verify results")
 
 
 def score(recipe_path: Path, recipe: Recipe, name: str, overrides: dict[str, Any], args) -> dict[str, Any]:
-    out = recipe.run_dir / "quality" / name / "quality.json"
+    engine = "" if args.engine == "native" else f"-{args.engine}"
+    out = recipe.run_dir / "quality" / name / f"quality{engine}{'' if args.k == 5 else f'-k{args.k}'}.json"
     budget = {"training.max_minutes": args.minutes} if args.minutes else {"training.max_steps": args.steps}
-    overrides = {"training.epochs": 1000, **budget, **overrides}
+    shared = {k: v for k, v in args.base.items() if k != "output_dir"}  # each variant has its own run dir
+    overrides = {"training.epochs": 1000, **budget, **shared, **overrides}
     if out.is_file():
         done = read_json_object(out, "quality result")
-        if done.get("overrides") == overrides and done.get("loop", {}).get("prompts") == args.prompts:
+        loop = done.get("loop", {})
+        if done.get("overrides") == overrides and (loop.get("prompts"), loop.get("k")) == (args.prompts, args.k):
             return done
-    variant, run = train_variant(recipe_path, recipe, name, overrides)
+    run = train_variant(recipe_path, recipe, name, overrides)
     last, state = held_out(run)
-    depth = min(args.k, variant.draft.model_dump().get("ttt_steps", args.k))
-    accs = [last.get(f"val/full_acc_{i}") for i in range(depth)]
+    # the draft steps validation scored (a family's unroll or depths), up to K
+    accs = [a for a in (last.get(f"val/full_acc_{i}") for i in range(args.k)) if a is not None]
+    depth = len(accs)
     records = loop_al(recipe_path, overrides, run, args)
     result = {
         "variant": name,
+        "engine": args.engine,
         "overrides": overrides,
         "budget": {
             "train_seconds": round(state.get("train_seconds", 0.0), 1),
@@ -123,9 +130,9 @@ def score(recipe_path: Path, recipe: Recipe, name: str, overrides: dict[str, Any
             "tokens": state["tokens"],
         },
         "teacher_forced": {
-            "al": round(1 + sum(a for a in accs if a is not None), 4),
+            "al": round(1 + sum(accs), 4),
             "depth": depth,
-            "full_acc": [round(a, 4) for a in accs if a is not None],
+            "full_acc": [round(a, 4) for a in accs],
             "step": last["step"],
         },
         "loop": {
@@ -175,16 +182,19 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per suite")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--suites", default=SUITES, help="comma-separated suite files")
+    parser.add_argument("--engine", choices=["native", "llama.cpp"], default="native", help="the loop that scores AL")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override the slice's recipe")
     args = parser.parse_args()
+    args.base = parse_overrides(args.set)
     if args.minutes is None and args.steps is None:
         args.minutes = 30.0
     recipe_path = Path(args.recipe)
-    recipe = load_recipe(recipe_path)
+    recipe = load_recipe(recipe_path, args.base)
     variants = [parse_variant(v) for v in args.variant or ["base"]]
     for _, overrides in variants:  # a typo stops here, before any generation or training
-        load_recipe(recipe_path, overrides)
+        load_recipe(recipe_path, {**args.base, **overrides})
     if not (recipe.hidden_states_dir / "manifest.json").is_file():
-        _cli("generate", str(recipe_path))
+        _cli("generate", str(recipe_path), *_sets(args.base))
     results = [score(recipe_path, recipe, name, overrides, args) for name, overrides in variants]
     print(json.dumps({"recipe": str(recipe_path), "results": results}), flush=True)
     Console(stderr=True).print(table(results, list(results[0]["loop"]["suites"])))

@@ -118,6 +118,8 @@ def main() -> None:
                 records.append(score(suite.config.name, shape, k, temperature, top_p, spec, baseline))
     for record in records:
         record.pop("per_prompt_acceptance_length")
+        # the draft's own cost per verify step (its extends and proposals), which K multiplies for a sequential draft
+        record["draft_ms_per_step"] = 1000 * record["seconds"]["spec_draft"] / max(record["steps"], 1)
         record.update(device=str(target.model.device), draft=str(draft_path), max_new_tokens=args.max_new_tokens)
         print(json.dumps(record))
     table = Table(title=f"{suite.config.name}: {len(suite.prompts)} prompts x {args.max_new_tokens} new tokens")
@@ -130,6 +132,7 @@ def main() -> None:
         "spec tok/s",
         "speedup (prompt IQR)",
         "draft/verify/other s",
+        "draft ms/step",
     ):
         table.add_column(column, justify="right")
     for r in records:
@@ -143,6 +146,7 @@ def main() -> None:
             f"{r['speculative_tokens_per_s']:.1f}",
             speedup_cell(r),
             f"{s['spec_draft']:.1f}/{s['spec_verify']:.1f}/{s['spec_prefill'] + s['spec_bookkeeping']:.1f}",
+            f"{r['draft_ms_per_step']:.1f}",
         )
     Console(file=sys.stderr).print(table)
 
