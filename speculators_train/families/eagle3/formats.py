@@ -47,6 +47,7 @@ from transformers import LlamaConfig
 from speculators_train.errors import UserError
 from speculators_train.families.base import Layout
 from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft, check_layer, checked_config
+from speculators_train.families.eagle3.settings import SGLANG_LACKS
 from speculators_train.families.layouts import (
     SPECULATORS_VERSION,
     dict_field,
@@ -158,23 +159,12 @@ def load_eagle3(
 
 def unsupported(config: Eagle3Config) -> list[str]:
     """Why SGLang could not run this draft as trained (empty when it can)."""
-    out = []
-    if config.norm_before_residual:
-        out.append(
-            "norm_before_residual is true, but SGLang's LlamaForCausalLMEagle3 only implements false (it would run "
-            "this draft with another residual and draft wrong tokens); export --format speculators for vLLM, or "
-            "train with draft.norm_before_residual: false"
-        )
-    if config.norm_before_fc:
-        out.append(
-            "norm_before_fc is true, but SGLang's LlamaForCausalLMEagle3 has no norm before fc (it would skip the "
-            "input_norm weight unread and run another draft); export --format speculators for vLLM"
-        )
-    if config.norm_output:
-        out.append(
-            "norm_output is true, but SGLang's LlamaForCausalLMEagle3 feeds the pre-norm output back between draft "
-            "steps; export --format speculators for vLLM"
-        )
+    out = [
+        f"{flag} is true, but SGLang's LlamaForCausalLMEagle3 {what} (it would draft wrong tokens); export "
+        f"--format speculators for vLLM, or train with draft.{flag}: false"
+        for flag, what in SGLANG_LACKS.items()
+        if getattr(config, flag)
+    ]
     if len(config.aux_layer_ids) != 3:
         out.append(f"SGLang's fc takes exactly 3 target states; this draft reads {len(config.aux_layer_ids)}")
     if min(config.aux_layer_ids) < 1:
