@@ -295,6 +295,7 @@ def test_peagle_export_refusals_name_what_is_wrong(tmp_path, target, draft):
         ({"export.format": "sglang"}, "sglang"),
         ({"export.format": "gguf"}, "gguf"),
         ({"eval.engine": "llama.cpp"}, "no P-EAGLE runtime"),
+        ({"training.gradient_checkpointing": True}, "does not checkpoint"),
     ):
         with pytest.raises(UserError, match=words):
             load_recipe(path, override)

@@ -43,6 +43,11 @@ class Settings(FamilySettings):
                 f"target.aux_layer_ids {ids}: a P-EAGLE draft reads exactly 3 target states (vLLM builds its fc "
                 "3 x hidden wide); give 3 ids"
             )
+        if recipe.training.gradient_checkpointing:
+            problems.append(
+                "training.gradient_checkpointing: a P-EAGLE draft runs every depth in one pass of one layer and "
+                "does not checkpoint it; set false (or lower training.batch_size to save memory)"
+            )
         if recipe.eval.engine == "llama.cpp":
             problems.append("eval.engine 'llama.cpp': llama.cpp has no P-EAGLE runtime; verify with 'native'")
         return problems
