@@ -112,3 +112,29 @@ def tree_from_paths(paths: list[tuple[int, ...]], candidates: list[list[int]]) -
         parents=[index[path[:-1]] if len(path) > 1 else -1 for path in paths],
         depths=[len(path) for path in paths],
     )
+
+
+def independent_chain(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, sampling: Sampling, generator: torch.Generator | None
+) -> tuple[list[int], torch.Tensor | None]:
+    """A chain from per-position draft-vocab `logits` [k, D] fixed before any draft is drawn (heads, or depths that
+    read no draft token): each position's argmax, or (`sampling.samples_drafts`) a sample of softmax(logits / T)
+    with those distributions over the target vocabulary [k, vocab_size] as the q the rejection rule needs.
+    `targets`: the target id of each draft id."""
+    if not sampling.samples_drafts:
+        return targets[logits.argmax(-1)].tolist(), None
+    q = torch.softmax(logits / sampling.temperature, dim=-1)
+    choices = torch.multinomial(q, 1, generator=generator)[:, 0]
+    q_target = torch.zeros(logits.shape[0], vocab_size, device=logits.device)
+    q_target[:, targets] = q
+    return targets[choices].tolist(), q_target
+
+
+def independent_tree(
+    logits: torch.Tensor, targets: torch.Tensor, width: int, budget: int, paths: Sequence[tuple[int, ...]] | None
+) -> DraftTree:
+    """A tree over per-depth candidates that read no draft token (`logits` [depth, D]): the `width` best of each
+    depth, and the given rank `paths` or else the `budget` most probable (probabilities multiply along a path)."""
+    top = torch.log_softmax(logits, dim=-1).topk(width, dim=-1)
+    chosen = list(paths) if paths is not None else best_paths(top.values.tolist(), budget)
+    return tree_from_paths(chosen, targets[top.indices].tolist())

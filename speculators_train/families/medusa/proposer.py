@@ -9,7 +9,7 @@ from torch import nn
 
 from speculators_train.families.medusa.model import MedusaDraft
 from speculators_train.families.vocab import draft_to_target
-from speculators_train.proposal import DraftTree, Sampling, TreeSpec, best_paths, tree_from_paths
+from speculators_train.proposal import DraftTree, Sampling, TreeSpec, best_paths, independent_chain, independent_tree
 from speculators_train.target import StateSpec
 
 
@@ -46,14 +46,8 @@ class MedusaProposer:
         """Head h's argmax or (`sampling.samples_drafts`) a sample from its softmax(logits / T); each head's
         distribution is fixed before any draft is drawn, so it is exactly the q the rejection rule needs."""
         self._heads(k)
-        logits = self.logits[:k]
-        if not sampling.samples_drafts:
-            return self.targets[logits.argmax(-1)].tolist(), None
-        q = torch.softmax(logits / sampling.temperature, dim=-1)
-        choices = torch.multinomial(q, 1, generator=generator)[:, 0]
-        q_target = torch.zeros(k, self.draft.config.target_vocab_size, device=self.device)
-        q_target[:, self.targets] = q
-        return self.targets[choices].tolist(), q_target
+        vocab = self.draft.config.target_vocab_size
+        return independent_chain(self.logits[:k], self.targets, vocab, sampling, generator)
 
     @torch.inference_mode()
     def propose_tree(self, spec: TreeSpec) -> DraftTree:
@@ -65,10 +59,7 @@ class MedusaProposer:
         else:
             depth, width = min(spec.depth, self.draft.config.num_heads), spec.top_k
         self._heads(depth)
-        top = torch.log_softmax(self.logits[:depth], dim=-1).topk(width, dim=-1)
-        candidates = self.targets[top.indices].tolist()
-        paths = list(spec.paths) if spec.paths is not None else best_paths(top.values.tolist(), spec.budget)
-        return tree_from_paths(paths, candidates)
+        return independent_tree(self.logits[:depth], self.targets, width, spec.budget, spec.paths)
 
 
 def measured_tree(rank_accuracy: list[list[float]], budget: int) -> tuple[tuple[int, ...], ...]:

@@ -9,7 +9,7 @@ import torch
 from speculators_train.families.eagle3.model import DraftCache
 from speculators_train.families.peagle.model import PEagleDraft
 from speculators_train.families.vocab import draft_to_target
-from speculators_train.proposal import DraftTree, Sampling, TreeSpec, best_paths, tree_from_paths
+from speculators_train.proposal import DraftTree, Sampling, TreeSpec, independent_chain, independent_tree
 from speculators_train.target import StateSpec
 
 
@@ -77,19 +77,12 @@ class PEagleProposer:
         """Each depth's argmax, or (`sampling.samples_drafts`) a sample of its softmax(logits / T): no depth reads
         another's draft token, so each distribution is fixed before any draw and is the q the rejection rule
         needs."""
-        logits = self.logits(k).float()
-        if not sampling.samples_drafts:
-            return self.targets[logits.argmax(-1)].tolist(), None
-        q = torch.softmax(logits / sampling.temperature, dim=-1)
-        choices = torch.multinomial(q, 1, generator=generator)[:, 0]
-        q_target = torch.zeros(k, self.draft.config.target_vocab_size, device=self.device)
-        q_target[:, self.targets] = q
-        return self.targets[choices].tolist(), q_target
+        vocab = self.draft.config.target_vocab_size
+        return independent_chain(self.logits(k).float(), self.targets, vocab, sampling, generator)
 
     def propose_tree(self, spec: TreeSpec) -> DraftTree:
         """The `budget` most probable paths over the per-depth top-k candidates of one forward (a path's
         probability is the product of its depths', as the depths read no draft token)."""
         if spec.paths is not None:
             raise ValueError("P-EAGLE grows dynamic trees only")
-        top = torch.log_softmax(self.logits(spec.depth).float(), dim=-1).topk(spec.top_k, dim=-1)
-        return tree_from_paths(best_paths(top.values.tolist(), spec.budget), self.targets[top.indices].tolist())
+        return independent_tree(self.logits(spec.depth).float(), self.targets, spec.top_k, spec.budget, None)
