@@ -55,6 +55,36 @@ def log_lines(tmp_path, n: int, skip: int = 0) -> list[str]:
     raise AssertionError("not enough records")
 
 
+def fresh_draft_on_logs(tmp_path, target, settings: dict, aux_layer_ids: list[int]):
+    """(recipe, logs dir, the starting draft): a fresh draft of `settings`' family (vocabulary: the 2048 lowest ids,
+    BPE's most frequent merges) as `osd.init_from`, and one window of 24 real chat log records to distil on."""
+    from speculators_train import families
+    from speculators_train.recipe import TargetConfig
+    from speculators_train.target import load_head_weights
+
+    family = families.get(settings["family"])
+    config, weights = load_head_weights(TargetConfig())
+    freq = torch.zeros(target.vocab_size, dtype=torch.int64)
+    freq[:2048] = 1
+    torch.manual_seed(0)
+    start = family.new_draft(family.settings(**settings), config, weights, freq, aux_layer_ids)
+    init = save_checkpoint(tmp_path / "init", 1, start, None, {"step": 1}, keep_last=1)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "day1.jsonl").write_text("\n".join(log_lines(tmp_path, 24)) + "\n")
+    osd = {"init_from": str(init), "update_interval": 24, "steps_per_update": 15, "learning_rate": 2e-3}
+    osd.update(held_out_fraction=0.25, general_records=2, buffer_size=12)
+    recipe = make_recipe(
+        tmp_path,
+        [{"name": "sharegpt", "path": SHAREGPT, "max_records": 30}],
+        osd=osd,
+        draft=settings,
+        eval={"num_speculative_tokens": 3, "max_new_tokens": 24},
+        training={"wandb": {"mode": "disabled"}},
+    )
+    return load_recipe(recipe), logs, start
+
+
 @pytest.fixture
 def setup(tmp_path, random_draft):  # noqa: F811
     init = save_checkpoint(tmp_path / "init", 1, random_draft, None, {"step": 1}, keep_last=1)
@@ -156,33 +186,10 @@ def test_the_general_suite_is_captured_at_the_layers_the_adapted_draft_reads(tmp
 def test_medusa_heads_are_scored_distilled_gated_and_versioned_by_the_same_loop(tmp_path, target):
     """Online distillation is not EAGLE-3's: heads read only the final state, train through the trainer's step with
     the OSD divergence, and each version is exported in their own (vLLM Medusa) layout."""
-    from speculators_train import families
     from speculators_train.families.drafts import draft_state_dict
-    from speculators_train.recipe import TargetConfig
-    from speculators_train.target import load_head_weights
 
-    medusa = families.get("medusa")
     settings = {"family": "medusa", "num_heads": 3, "draft_vocab_size": 2048}
-    config, weights = load_head_weights(TargetConfig())
-    freq = torch.zeros(target.vocab_size, dtype=torch.int64)
-    freq[:2048] = 1  # the lowest ids: BPE's most frequent merges
-    heads = medusa.new_draft(medusa.settings(**settings), config, weights, freq, [])
-    init = save_checkpoint(tmp_path / "init", 1, heads, None, {"step": 1}, keep_last=1)
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    (logs / "day1.jsonl").write_text("\n".join(log_lines(tmp_path, 24)) + "\n")
-    osd = {"init_from": str(init), "update_interval": 24, "steps_per_update": 15, "learning_rate": 2e-3}
-    osd.update(held_out_fraction=0.25, general_records=2, buffer_size=12)
-    recipe = load_recipe(
-        make_recipe(
-            tmp_path,
-            [{"name": "sharegpt", "path": SHAREGPT, "max_records": 30}],
-            osd=osd,
-            draft=settings,
-            eval={"num_speculative_tokens": 3, "max_new_tokens": 24},
-            training={"wandb": {"mode": "disabled"}},
-        )
-    )
+    recipe, logs, heads = fresh_draft_on_logs(tmp_path, target, settings, [])
     distiller = OnlineDistiller(recipe, logs, target)
     assert distiller.general and all("aux_hidden_states" not in s for s in distiller.general)  # final state only
     (first,) = distiller.run()

@@ -9,7 +9,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from speculators_train import families
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
 from speculators_train.families.eagle3.model import DraftCache, Eagle3Config
@@ -25,7 +24,7 @@ from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain
 from speculators_train.verify.run import eos_ids, load_draft_for
 
 from .conftest import SHAREGPT, make_recipe
-from .test_osd_distill import log_lines
+from .test_osd_distill import fresh_draft_on_logs
 from .test_sampling_rules import tv, tv_threshold
 from .test_verify import GREEDY, chat
 
@@ -358,32 +357,9 @@ def test_a_trained_peagle_draft_beats_its_start_verifies_exactly_and_exports(tmp
 @pytest.mark.slow
 def test_online_distillation_adapts_a_peagle_draft_through_the_shared_step(tmp_path, target):
     from speculators_train.osd.distill import OnlineDistiller
-    from speculators_train.recipe import TargetConfig
-    from speculators_train.target import load_head_weights
 
-    family = families.get("peagle")
     settings = {"family": "peagle", "depths": 3, "draft_vocab_size": 2048}
-    config, weights = load_head_weights(TargetConfig())
-    freq = torch.zeros(target.vocab_size, dtype=torch.int64)
-    freq[:2048] = 1
-    torch.manual_seed(0)
-    start = family.new_draft(family.settings(**settings), config, weights, freq, target.aux_layer_ids)
-    init = save_checkpoint(tmp_path / "init", 1, start, None, {"step": 1}, keep_last=1)
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    (logs / "day1.jsonl").write_text("\n".join(log_lines(tmp_path, 24)) + "\n")
-    osd = {"init_from": str(init), "update_interval": 24, "steps_per_update": 15, "learning_rate": 2e-3}
-    osd.update(held_out_fraction=0.25, general_records=2, buffer_size=12)
-    recipe = load_recipe(
-        make_recipe(
-            tmp_path,
-            [{"name": "s", "path": SHAREGPT, "max_records": 30}],
-            osd=osd,
-            draft=settings,
-            eval={"num_speculative_tokens": 3, "max_new_tokens": 24},
-            training={"wandb": {"mode": "disabled"}},
-        )
-    )
+    recipe, logs, _ = fresh_draft_on_logs(tmp_path, target, settings, target.aux_layer_ids)
     (first,) = OnlineDistiller(recipe, logs, target).run()
     assert first["promoted"], first["reason"]
     assert first["candidate_log_al"] > first["log_al"] >= 1.0
