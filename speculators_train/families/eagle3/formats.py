@@ -104,28 +104,34 @@ def speculators_config(
     }
 
 
+def speculators_fields(
+    config: dict[str, Any], config_file: Path, target_num_layers: int
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The Eagle3Config fields a speculators-format config.json describes (to be checked by `checked_config`), and
+    how the file spells those that it names differently. Call inside `reading(config_file, ...)`."""
+    layer = dict_field(config, "transformer_layer_config")
+    if config.get("fc_norm"):
+        raise UserError(f"{config_file}: fc_norm is set; this draft class has no norm per target state")
+    n = target_num_layers
+    aux = config.get("eagle_aux_hidden_state_layer_ids")
+    values = {
+        "layer_config": clean_layer_config(layer),
+        "target_hidden_size": config.get("target_hidden_size"),
+        "draft_vocab_size": config.get("draft_vocab_size"),
+        "aux_layer_ids": [2, n // 2, n - 3] if aux is None else aux,
+        "norm_before_residual": config.get("norm_before_residual", True),  # missing: true, as vLLM reads it
+        "norm_before_fc": config.get("norm_before_fc", False),
+        "norm_output": config.get("norm_output", False),
+    }
+    return values, {"layer_config": "transformer_layer_config", "aux_layer_ids": "eagle_aux_hidden_state_layer_ids"}
+
+
 def load_speculators_eagle3(path: Path, config: dict[str, Any], target_num_layers: int) -> tuple[Eagle3Draft, bool]:
     """A draft from a speculators-format directory, and whether the file carried `embed_tokens` (vLLM then keeps
     it); if not, the caller fills the embedding from the target."""
     config_file = path / "config.json"
     with reading(config_file, "EAGLE-3 speculators config"):
-        layer = dict_field(config, "transformer_layer_config")
-        if config.get("fc_norm"):
-            raise UserError(f"{config_file}: fc_norm is set; this draft class has no norm per target state")
-        n = target_num_layers
-        aux = config.get("eagle_aux_hidden_state_layer_ids")
-        cfg = checked_config(
-            {
-                "layer_config": clean_layer_config(layer),
-                "target_hidden_size": config.get("target_hidden_size"),
-                "draft_vocab_size": config.get("draft_vocab_size"),
-                "aux_layer_ids": [2, n // 2, n - 3] if aux is None else aux,
-                "norm_before_residual": config.get("norm_before_residual", True),  # missing: true, as vLLM reads it
-                "norm_before_fc": config.get("norm_before_fc", False),
-                "norm_output": config.get("norm_output", False),
-            },
-            {"layer_config": "transformer_layer_config", "aux_layer_ids": "eagle_aux_hidden_state_layer_ids"},
-        )
+        cfg = checked_config(*speculators_fields(config, config_file, target_num_layers))
     weights, source = read_weights(path)
     return load_eagle3(cfg, weights, source, config_file)
 
@@ -145,14 +151,15 @@ def load_eagle3(
     source: Path,
     config_file: Path,
     spell: Callable[[str], str] = str,
+    draft_type: type[Eagle3Draft] = Eagle3Draft,
 ) -> tuple[Eagle3Draft, bool]:
-    """The draft holding `weights` (names in our = the speculators layout; `spell` gives the file's) once they fit
-    `config`, and whether they carried `embed_tokens`. A full-vocabulary draft may ship no d2t: its map is the
-    identity."""
+    """The draft (`draft_type`, an Eagle3Draft or a draft extending it) holding `weights` (names in our = the
+    speculators layout; `spell` gives the file's) once they fit `config`, and whether they carried `embed_tokens`.
+    A full-vocabulary draft may ship no d2t: its map is the identity."""
     if "d2t" not in weights and config.draft_vocab_size == config.target_vocab_size:
         weights = {**weights, "d2t": torch.zeros(config.draft_vocab_size, dtype=torch.int64)}
     draft = load_checked(
-        lambda: Eagle3Draft(config), weights, source, config_file, optional=("embed_tokens.weight",), spell=spell
+        lambda: draft_type(config), weights, source, config_file, optional=("embed_tokens.weight",), spell=spell
     )
     return draft, "embed_tokens.weight" in weights
 

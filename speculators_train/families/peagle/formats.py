@@ -23,8 +23,8 @@ import torch
 
 from speculators_train.errors import UserError
 from speculators_train.families.base import Layout
-from speculators_train.families.eagle3.formats import clean_layer_config, speculators_config
-from speculators_train.families.layouts import dict_field, export_tensors, load_checked, proposal_config, read_weights
+from speculators_train.families.eagle3.formats import load_eagle3, speculators_config, speculators_fields
+from speculators_train.families.layouts import export_tensors, proposal_config, read_weights
 from speculators_train.families.peagle.model import PEagleConfig, PEagleDraft, checked_peagle_config
 from speculators_train.loading import reading
 
@@ -52,44 +52,22 @@ def peagle_tensors(draft: PEagleDraft, dtype: str) -> dict[str, torch.Tensor]:
 def load_peagle(path: Path, config: dict[str, Any], target_num_layers: int) -> tuple[PEagleDraft, bool]:
     config_file = path / "config.json"
     with reading(config_file, "P-EAGLE speculators config"):
-        if config.get("fc_norm"):
-            raise UserError(f"{config_file}: fc_norm is set; this draft class has no norm per target state")
         if config.get("mask_token_id") is None:
             raise UserError(f"{config_file}: mask_token_id is missing; vLLM refuses such a P-EAGLE draft too")
-        layer = dict_field(config, "transformer_layer_config")
-        n = target_num_layers
-        aux = config.get("eagle_aux_hidden_state_layer_ids")
+        values, keys = speculators_fields(config, config_file, target_num_layers)
         methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
-        cfg = checked_peagle_config(
-            {
-                "layer_config": clean_layer_config(layer),
-                "target_hidden_size": config.get("target_hidden_size"),
-                "draft_vocab_size": config.get("draft_vocab_size"),
-                "aux_layer_ids": [2, n // 2, n - 3] if aux is None else aux,
-                "norm_before_residual": config.get("norm_before_residual", True),  # missing: true, as vLLM reads it
-                "norm_before_fc": config.get("norm_before_fc", False),
-                "norm_output": config.get("norm_output", False),
-                "mask_token_id": config["mask_token_id"],
-                # speculators' trainer writes its depth count as the proposal's speculative tokens
-                "depths": config.get("num_depths", methods[0].get("speculative_tokens", 8)),
-            },
-            {
-                "layer_config": "transformer_layer_config",
-                "aux_layer_ids": "eagle_aux_hidden_state_layer_ids",
-                "depths": "num_depths",
-            },
-        )
+        values["mask_token_id"] = config["mask_token_id"]
+        # speculators' trainer writes its depth count as the proposal's speculative tokens
+        values["depths"] = config.get("num_depths", methods[0].get("speculative_tokens", 8))
+        cfg = checked_peagle_config(values, {**keys, "depths": "num_depths"})
     weights, source = read_weights(path)
     embedding = weights.get("embed_tokens.weight")
     if embedding is None or "mask_hidden" not in weights:
         missing = [name for name in ("embed_tokens.weight", "mask_hidden") if name not in weights]
         raise UserError(f"{source}: a P-EAGLE draft ships {' and '.join(missing)}; these weights do not")
-    if embedding.dim() == 2 and cfg.mask_token_id < embedding.shape[0]:
+    if embedding.dim() == 2 and cfg.mask_token_id < embedding.shape[0]:  # else the shape check names the embedding
         weights = {**weights, "mask_embedding": embedding[cfg.mask_token_id]}
-    if "d2t" not in weights and cfg.draft_vocab_size == cfg.target_vocab_size:
-        weights = {**weights, "d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)}
-    draft = load_checked(lambda: PEagleDraft(cfg), weights, source, config_file)
-    return draft, True
+    return load_eagle3(cfg, weights, source, config_file, draft_type=PEagleDraft)
 
 
 class PEagleLayout(Layout):
