@@ -42,7 +42,7 @@ def parallel_loss(
     logits = draft.parallel_forward(a.tokens, a.aux.to(draft.fc.weight.dtype), a.positions, chains)
     batch_size, length = a.tokens.shape
     rows = torch.arange(batch_size, device=a.tokens.device)[:, None]
-    per_depth = []  # (divergence, right, valid, trained, anchors, present) of each depth's elements
+    per_depth = []  # (divergence, right, valid, trained) of each depth's elements (padding: not valid, not trained)
     anchors = torch.arange(length, device=a.tokens.device).expand(batch_size, -1)
     present = torch.ones_like(a.trained)
     for d, lg in enumerate(logits):
