@@ -124,17 +124,15 @@ def test_measured_tree_grows_where_heads_are_accurate_and_keeps_real_ranks():
     assert tree.tokens == [10, 11, 21, 30] and tree.parents == [-1, -1, 0, 2] and tree.depths == [1, 1, 2, 3]
 
 
-def vllm_medusa_config(config: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's `MedusaConfig.from_pretrained` key handling: walking the top-level keys in file order, a key holding
-    "num" and "heads" is moved to `num_heads`, else one holding "num" and "layers" to `num_hidden_layers` (a later
-    key overwrites an earlier one); nested values are left alone."""
-    out = dict(config)
-    for key in list(config):
-        if "num" in key and "heads" in key:
-            out["num_heads"] = out.pop(key)
-        elif "num" in key and "layers" in key:
-            out["num_hidden_layers"] = out.pop(key)
-    return out
+def vllm_medusa_config(config: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    """What vLLM's own `MedusaConfig.from_pretrained` makes of `config` written as a config.json (it renames
+    top-level keys holding "num" and "heads"/"layers")."""
+    from vllm.transformers_utils.configs.medusa import MedusaConfig as VllmMedusaConfig
+
+    folder = tmp_path / "vllm-config"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return VllmMedusaConfig.from_pretrained(str(folder)).to_dict()
 
 
 def vllm_medusa_parameters(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -162,9 +160,10 @@ def test_vllm_parses_our_medusa_export_to_the_trained_heads_and_blocks(tmp_path:
     kept = [0, 1, 2, 3, 5, 6, 7, 9, 10, 11, 12, 13]
     draft.d2t.copy_(torch.tensor(kept) - torch.arange(12))
     written = json.loads(json.dumps(medusa_config(config, "org/target", ["LlamaForCausalLM"], HEADS, "float32")))
-    parsed = vllm_medusa_config(written)
+    parsed = vllm_medusa_config(written, tmp_path)
     assert (parsed["num_heads"], parsed["num_hidden_layers"]) == (HEADS, 2)
-    assert (parsed["hidden_size"], parsed["vocab_size"], parsed["truncated_vocab_size"]) == (H, V, 12)
+    # Full-size heads (formats.py: vLLM 0.32 cannot load heads when truncated_vocab_size < vocab_size).
+    assert (parsed["hidden_size"], parsed["vocab_size"], parsed["truncated_vocab_size"]) == (H, V, V)
 
     weights = medusa_weights(draft, "float32")
     expected = vllm_medusa_parameters(parsed)

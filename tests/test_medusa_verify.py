@@ -170,7 +170,8 @@ def test_medusa_export_is_the_vllm_medusa_layout_and_reloads_to_the_same_proposa
         HEADS,
         1,
     )
-    assert config["truncated_vocab_size"] == 2048 and config["medusa_fc_bias"] is True
+    # Full-size heads: vLLM 0.32 cannot load heads with truncated_vocab_size < vocab_size (tests/test_vllm.py).
+    assert config["truncated_vocab_size"] == 49152 and config["medusa_fc_bias"] is True
     assert config["speculators_model_type"] == "medusa"
     spec = config["speculators_config"]
     assert spec["algorithm"] == "medusa" and spec["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -181,7 +182,7 @@ def test_medusa_export_is_the_vllm_medusa_layout_and_reloads_to_the_same_proposa
     params = {f"blocks.{h}.layers.0.{p}" for h in range(HEADS) for p in ("weight", "bias")}
     params |= {f"lm_heads.{h}.weight" for h in range(HEADS)}
     assert set(weights) == params | {"token_map"}
-    assert weights["lm_heads.0.weight"].shape == (2048, 576)  # = truncated_vocab_size rows: vLLM does not slice
+    assert weights["lm_heads.0.weight"].shape == (49152, 576)  # = truncated_vocab_size rows: vLLM does not slice
     assert weights["token_map"].dtype == torch.int64
     assert weights["token_map"].tolist() == draft_to_target(heads.d2t).tolist()
     assert "# Medusa heads for HuggingFaceTB/SmolLM2-135M-Instruct" in (result.path / "README.md").read_text()

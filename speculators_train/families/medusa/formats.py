@@ -1,22 +1,29 @@
 """The Medusa layout: one directory that vLLM's Medusa loader and a speculators-style reader both take.
 
-    config.json         model_type "medusa", architectures ["MedusaModel"], hidden_size, vocab_size (the target's),
-                        num_heads, num_hidden_layers (blocks per head), truncated_vocab_size, medusa_fc_bias,
-                        speculators_train {target_num_layers} (nested: vLLM's MedusaConfig renames every top-level
-                        key holding "num" and "layers" to num_hidden_layers, and "num" and "heads" to num_heads),
-                        plus speculators_model_type "medusa" and speculators_config {algorithm, proposal_methods,
-                        verifier} as `speculators` writes them for EAGLE-3
-    model.safetensors   blocks.{h}.layers.{l}.weight/.bias, lm_heads.{h}.weight [truncated_vocab_size, H],
+    config.json         model_type "medusa", architectures ["MedusaModel"], hidden_size, vocab_size and
+                        truncated_vocab_size (both the target's), num_heads, num_hidden_layers (blocks per head),
+                        medusa_fc_bias, original_lm_head false, speculators_train {target_num_layers} (nested:
+                        vLLM's MedusaConfig renames every top-level key holding "num" and "layers" to
+                        num_hidden_layers, and "num" and "heads" to num_heads), plus speculators_model_type "medusa"
+                        and speculators_config {algorithm, proposal_methods, verifier} as `speculators` writes them
+    model.safetensors   blocks.{h}.layers.{l}.weight/.bias, lm_heads.{h}.weight [vocab_size, H],
                         token_map (int64: the target id of each draft id)
 
-vLLM reads `token_map` only when truncated_vocab_size < vocab_size, and then scatters each head's logits into
-the full vocabulary at those ids: the same map as our d2t (token_map = arange + d2t). It strips a
-`medusa_heads.` prefix and takes `original_lm_head: true` as one lm_head shared by every head; both are read here.
+Why every head is written at the full vocabulary: vLLM 0.32's `Medusa` builds each head at `vocab_size` rows unless
+`original_lm_head` (one head shared by all) is set, and when truncated_vocab_size < vocab_size it slices every
+head it loads by `token_map` before copying it into that full-size parameter, an assertion that fails for heads of
+either size. So truncated_vocab_size equals vocab_size (vLLM then ignores `token_map`), the draft vocabulary's
+rows hold the trained heads and every other row is zero: a token outside the draft vocabulary scores logit 0. vLLM
+drafts the argmax, which is ours whenever the best draft-vocabulary logit is above 0. `token_map` stays in the
+file for readers that restrict the heads again, as ours does when the other rows are all zero.
+
+The reader also takes heads stored at truncated_vocab_size with a `token_map` (earlier exports, other tools), strips
+a `medusa_heads.` prefix and takes `original_lm_head: true` as one lm_head shared by every head.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +40,7 @@ from speculators_train.families.layouts import (
     load_checked,
     proposal_config,
     read_weights,
+    vllm_serve,
 )
 from speculators_train.families.medusa.model import MedusaConfig, MedusaDraft, checked_config
 from speculators_train.families.vocab import draft_to_target, ids_problem
@@ -49,7 +57,7 @@ def medusa_config(
         "vocab_size": config.target_vocab_size,
         "num_heads": config.num_heads,
         "num_hidden_layers": config.num_layers,
-        "truncated_vocab_size": config.draft_vocab_size,
+        "truncated_vocab_size": config.target_vocab_size,  # full-size heads: see the module docstring
         "medusa_fc_bias": True,
         "original_lm_head": False,
         # Nested: vLLM renames every top-level key holding "num" and "layers" to num_hidden_layers, in file order.
@@ -63,14 +71,44 @@ def medusa_config(
 
 
 def medusa_weights(draft: MedusaDraft, dtype: str) -> dict[str, torch.Tensor]:
-    """Head weights in `dtype` and the int64 `token_map`; d2t/t2d are not written, token_map carries both."""
-    out = {
-        name: tensor.detach().to(DTYPES[dtype]).cpu().contiguous()
-        for name, tensor in draft.state_dict().items()
-        if name not in ("d2t", "t2d")
-    }
-    out["token_map"] = draft_to_target(draft.d2t).to(torch.int64).cpu().contiguous()
+    """Block weights and full-vocabulary heads in `dtype` (draft rows at their target ids, zero elsewhere), and the
+    int64 `token_map`; d2t/t2d are not written, token_map carries both."""
+    token_map = draft_to_target(draft.d2t).to(torch.int64).cpu()
+    out = {}
+    for name, tensor in draft.state_dict().items():
+        if name in ("d2t", "t2d"):
+            continue
+        tensor = tensor.detach().cpu()
+        if name.startswith("lm_heads."):
+            full = torch.zeros(draft.config.target_vocab_size, tensor.shape[1], dtype=tensor.dtype)
+            full[token_map] = tensor
+            tensor = full
+        out[name] = tensor.to(DTYPES[dtype]).contiguous()
+    out["token_map"] = token_map.contiguous()
     return out
+
+
+def restricted_heads(
+    weights: dict[str, torch.Tensor], token_map: torch.Tensor | None, cfg: MedusaConfig, source: Path
+) -> MedusaConfig:
+    """For a file whose heads span the full vocabulary and carry a shorter `token_map` (our export): when every row
+    outside the map is zero, the heads are restricted to the map's rows in place and the config gets its draft
+    vocabulary (what vLLM drafts, but for a draft-vocabulary logit below 0). Otherwise the heads stay full-size and
+    the map is dropped, as vLLM ignores it."""
+    if token_map is None or cfg.draft_vocab_size != cfg.target_vocab_size or token_map.numel() >= cfg.draft_vocab_size:
+        return cfg
+    if problem := ids_problem(token_map, "token_map", token_map.numel(), cfg.target_vocab_size):
+        raise UserError(f"{source}: {problem}")
+    outside = torch.ones(cfg.target_vocab_size, dtype=torch.bool)
+    outside[token_map.to(torch.int64)] = False
+    heads = [name for name in weights if name.startswith("lm_heads.")]
+    full = [weights[n] for n in heads if weights[n].dim() == 2 and weights[n].shape[0] == cfg.target_vocab_size]
+    if len(full) != len(heads) or any(bool(w[outside].any()) for w in full):
+        weights.pop("token_map", None)
+        return cfg
+    for name in heads:
+        weights[name] = weights[name][token_map.to(torch.int64)]
+    return dataclasses.replace(cfg, draft_vocab_size=token_map.numel())
 
 
 def load_medusa(path: Path, config: dict[str, Any]) -> MedusaDraft:
@@ -104,7 +142,10 @@ def load_medusa(path: Path, config: dict[str, Any]) -> MedusaDraft:
     if shared_head and "lm_heads.0.weight" in weights:
         for h in range(1, cfg.num_heads):
             weights.setdefault(f"lm_heads.{h}.weight", weights["lm_heads.0.weight"])
+    cfg = restricted_heads(weights, weights.get("token_map"), cfg, source)
     token_map = weights.pop("token_map", None)
+    if cfg.draft_vocab_size == cfg.target_vocab_size:
+        token_map = None  # vLLM reads a token_map only for truncated_vocab_size < vocab_size
     if token_map is None:
         if cfg.draft_vocab_size != cfg.target_vocab_size:
             raise UserError(
@@ -137,7 +178,9 @@ class MedusaLayout(Layout):
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return medusa_config(draft.config, verifier, architectures, k, dtype), medusa_weights(draft, dtype)
 
+    def vllm_speculative_config(self, out: Path, k: int) -> dict[str, Any]:
+        return {"model": str(out), "method": "medusa", "num_speculative_tokens": k}
+
     def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
         """vLLM takes Medusa heads only through --speculative-config."""
-        spec = {"model": str(out), "method": "medusa", "num_speculative_tokens": k}
-        return [f"vllm serve {verifier} --speculative-config '{json.dumps(spec)}'"]
+        return [vllm_serve(verifier, self.vllm_speculative_config(out, k))]
