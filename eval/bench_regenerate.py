@@ -1,13 +1,14 @@
 """Replies per CPU-minute: regeneration in transformers (`generate`, batched) against llama.cpp serving the target's
-GGUF file in parallel slots, on the same prompts.
+GGUF file in parallel slots and vLLM's offline batch generation on the target's HF folder, on the same prompts.
 
     .venv/bin/python eval/bench_regenerate.py --records 64 --slots 8,16
 
 Prompts: the first user turns of the first N train records of the recipe's data (default
 recipes/eagle3-smollm2-cpu.yaml: greedy, 128 new tokens, batch 32), regenerated through `data.regenerate` exactly
-as the generator does (`regenerate` / `regenerate_llamacpp`). Each engine runs once untimed on a few prompts first.
-CPU time is what the engine used: this process's user + system time for transformers; the server's (from /proc)
-plus this process's for llama.cpp. Reports replies and generated tokens per CPU-minute and per wall minute, and
+as the generator does (`regenerate` / `regenerate_llamacpp` / `regenerate_vllm`). Each engine runs once untimed on a
+few prompts first (vLLM's engine start-up, timed apart, is left out). CPU time is what the engine used: this
+process's user + system time for transformers; the server's (from /proc) plus this process's for llama.cpp; vLLM's
+engine process and this process's for vLLM. Reports replies and generated tokens per CPU-minute and per wall minute, and
 how often the two engines wrote the same reply (the GGUF is quantized and dequantised for transformers, so greedy
 replies fork at near-ties). Prints one JSON line on stdout and a table on stderr.
 """
@@ -24,12 +25,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from speculators_train.data.regenerate import regenerate, regenerate_llamacpp
+from speculators_train.data.regenerate import regenerate, regenerate_llamacpp, regenerate_vllm
 from speculators_train.data.splits import load_splits
 from speculators_train.errors import run_script
 from speculators_train.recipe import load_recipe
 from speculators_train.schema import parse_overrides
-from speculators_train.target import gguf_file, load_target
+from speculators_train.target import gguf_file, load_target, resolve_source
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--recipe", default=str(REPO / "recipes/eagle3-smollm2-cpu.yaml"))
     parser.add_argument("--records", type=int, default=64)
     parser.add_argument("--slots", default="8,16", help="llama.cpp parallel slots to try, comma-separated")
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM out")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     recipe = load_recipe(args.recipe, parse_overrides(args.set))
@@ -90,6 +92,25 @@ def main() -> None:
         wall, cpu = time.perf_counter() - wall, _cpu() - cpu + sum(server_cpu)
         texts[f"llama.cpp x{slots}"] = _replies(out)
         rows.append(_row(f"llama.cpp x{slots}", wall, cpu, texts[f"llama.cpp x{slots}"], tok))
+
+    if not args.no_vllm:
+        import psutil
+
+        from speculators_train.engines.vllm import Engine
+
+        def engine_cpu() -> float:
+            times = [c.cpu_times() for c in psutil.Process().children(recursive=True)]
+            return _cpu() + sum(t.user + t.system for t in times)
+
+        model = Path(resolve_source(recipe.target)[0])
+        with Engine(model, max_model_len=max_length, seed=seed) as engine:
+            regenerate_vllm(convs[:4], tok, regen, max_length, seed, model, engine)  # warm-up
+            cpu, wall = engine_cpu(), time.perf_counter()
+            out = regenerate_vllm(convs, tok, regen, max_length, seed, model, engine)
+            wall, cpu = time.perf_counter() - wall, engine_cpu() - cpu
+            texts["vllm"] = _replies(out)
+            rows.append(_row("vllm", wall, cpu, texts["vllm"], tok))
+            rows[-1]["engine_start_s"] = round(engine.start_seconds, 1)
 
     base = rows[0]["replies_per_cpu_min"]
     for row in rows:

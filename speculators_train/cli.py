@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "verify":
             p.add_argument("--draft", help="checkpoint dir, or a checkpoints/run dir (its best); default: the recipe's")
             p.add_argument("--out", help="output dir; default <run dir>/verify/<timestamp>")
-            p.add_argument("--engine", choices=["native", "llama.cpp"], help="default: eval.engine")
+            p.add_argument("--engine", choices=["native", "llama.cpp", "vllm"], help="default: eval.engine")
         if name == "export":
             p.add_argument(
                 "--checkpoint", help="checkpoint dir, checkpoints/run dir (its best), or a draft made elsewhere"

@@ -89,10 +89,11 @@ class RegenerateConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(512, gt=0)
     batch_size: int = Field(16, gt=0, description="Prompts decoded together (llama.cpp: the server's parallel slots).")
-    engine: Literal["transformers", "llama.cpp"] = Field(
+    engine: Literal["transformers", "llama.cpp", "vllm"] = Field(
         "transformers",
         description="llama.cpp: llama-server decodes the replies from the target's GGUF file, `batch_size` at once "
-        "in parallel slots (the quantized file that is served, not a float copy); hidden states are still captured "
+        "in parallel slots (the quantized file that is served, not a float copy); vllm: vLLM's offline batch "
+        "generation on the target's HF folder, each turn's requests in one call; hidden states are still captured "
         "in transformers.",
     )
     max_turns: int | None = Field(None, gt=0, description="Keep only the first N exchanges of each conversation.")
@@ -236,6 +237,35 @@ class LlamaCppConfig(Section):
         return value
 
 
+class VllmConfig(Section):
+    """`verify --engine vllm`: the suites decoded by vLLM (the target's HF folder), target-only and speculatively."""
+
+    speculative_tokens: list[int] | None = Field(
+        None, description="K values run with the draft (one engine each); default: [eval.num_speculative_tokens]."
+    )
+    batch: bool = Field(
+        True,
+        description="Besides one request at a time (latency), decode each suite's prompts all at once (a batch: "
+        "where speculation is said to stop paying), as a second record.",
+    )
+    baselines: list[Literal["ngram"]] = Field(
+        default_factory=lambda: ["ngram"], description="vLLM's draftless methods run on the same prompts."
+    )
+    max_model_len: int = Field(2048, gt=0, description="Longest prompt + reply vLLM plans for.")
+    kv_cache_gib: int = Field(1, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU (GiB); ignored on GPU.")
+    intel_openmp: bool = Field(
+        True,
+        description="Preload the Intel OpenMP runtime vllm-cpu installs (vLLM asks for it for spec decode on CPU).",
+    )
+
+    @field_validator("speculative_tokens")
+    @classmethod
+    def _ks(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or any(k < 1 for k in value)):
+            raise ValueError("a non-empty list of K >= 1")
+        return value
+
+
 class EvalConfig(Section):
     suites: list[str] = Field(
         default_factory=lambda: ["eval/suites/sharegpt-held-out.yaml"], description="Suite YAML files."
@@ -252,12 +282,14 @@ class EvalConfig(Section):
     )
     num_prompts: int | None = Field(None, gt=0, description="Override every suite's prompt count.")
     max_new_tokens: int | None = Field(None, gt=0, description="Override every suite's generation length.")
-    engine: Literal["native", "llama.cpp"] = Field(
+    engine: Literal["native", "llama.cpp", "vllm"] = Field(
         "native",
         description="native: this toolkit's loop on the target in transformers; llama.cpp: llama-server on the "
-        "target's GGUF with the draft exported to GGUF (EAGLE-3), greedy (verify --engine overrides it).",
+        "target's GGUF with the draft exported to GGUF (EAGLE-3), greedy; vllm: vLLM on the target's HF folder "
+        "with the draft's vLLM export, chains, at every temperature (verify --engine overrides it).",
     )
     llama_cpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
 
     @field_validator("temperatures")
     @classmethod
@@ -351,6 +383,14 @@ class Recipe(Section):
                 f"data.regenerate.engine 'llama.cpp': target {self.target.name_or_path!r} is not a GGUF file "
                 "(llama.cpp serves GGUF); use engine 'transformers' or a .gguf target"
             )
+        if self.eval.engine == "vllm":
+            if "speculators" not in draft.formats:
+                problems.append(
+                    f"eval.engine 'vllm': vLLM serves no {draft.family} draft (it loads the speculators layout, "
+                    f"which this family does not write); verify with 'native'"
+                )
+            if self.eval.mode == "tree":
+                problems.append("eval.engine 'vllm': vLLM drafts chains here; set eval.mode: chain")
         if problems:
             raise ValueError("; ".join(problems))
         return self

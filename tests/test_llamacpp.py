@@ -16,13 +16,11 @@ from speculators_train.families.drafts import load_draft
 from speculators_train.families.eagle3.gguf import draft_args
 from speculators_train.families.vocab import draft_to_target
 from speculators_train.recipe import load_recipe
-from speculators_train.target import TargetHead, resolve_source
+from speculators_train.target import resolve_source
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.engine import f32_gguf, first_divergence, record, settings
 
-from .conftest import SHAREGPT, make_recipe
-
-PROMPT = [{"role": "user", "content": "List three facts about the planet Mars."}]
+from .conftest import SHAREGPT, fit, make_recipe
 
 
 def test_metrics_text_parses_counters_and_per_position_acceptance():
@@ -78,38 +76,6 @@ def test_each_setting_passes_the_flags_llamacpp_needs(tmp_path):
 @pytest.fixture(scope="module")
 def fitted(target, tmp_path_factory):
     return fit(target, tmp_path_factory.mktemp("fitted"))
-
-
-def fit(target, tmp, **settings):
-    """(recipe, checkpoint, prompt ids, reply ids): a small EAGLE-3 draft (`settings` beside its size) fitted for a
-    few seconds to the target's own greedy reply to PROMPT (real target states), so that llama.cpp accepts its
-    drafts on that prompt."""
-    recipe = load_recipe(make_recipe(tmp, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]))
-    family = get("eagle3")
-    ids = target.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True)
-    prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    with torch.no_grad():
-        full = target.model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)
-    freq = torch.bincount(full[0], minlength=target.vocab_size).float()
-    head = {"embed": target.embed_tokens.weight, "lm_head": target.lm_head.weight, "norm": target.final_norm.weight}
-    settings_ = family.settings(draft_vocab_size=512, ttt_steps=3, **settings)
-    torch.manual_seed(0)
-    draft = family.new_draft(settings_, target.config, head, freq, target.aux_layer_ids)
-    with torch.no_grad():
-        aux, final = target.hidden_states(full, torch.ones_like(full))
-    mask = torch.zeros_like(full, dtype=torch.bool)
-    mask[0, len(prompt) :] = True
-    # hidden_states runs in inference mode; clones are ordinary tensors autograd may save
-    batch = {"input_ids": full, "aux_hidden_states": aux.clone(), "hidden_state": final.clone(), "loss_mask": mask}
-    objective = family.objective(draft, TargetHead.from_target(target), settings_)
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
-    for _ in range(120):
-        loss, _ = objective(batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    checkpoint = save_checkpoint(tmp / "ckpt", 1, draft.eval(), None, {"step": 1}, keep_last=1)
-    return recipe, checkpoint, prompt, full[0, len(prompt) :].tolist()
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -94,6 +95,36 @@ def regenerate_llamacpp(
         if server_cpu is not None:
             server_cpu.append(server.cpu_seconds())
         return out
+
+
+def regenerate_vllm(
+    conversations: list[Conversation],
+    tokenizer,
+    cfg: RegenerateConfig,
+    max_length: int,
+    seed: int,
+    model: Path,
+    engine: Any = None,
+) -> list[Conversation]:
+    """Same conversations with every assistant turn produced by vLLM's offline batch generation on the target's HF
+    folder `model`: each turn's requests go in one call (vLLM schedules them together), prompts rendered by the
+    same chat template and sent as token ids, request i of a turn sampled with seed `seed + i`. An open
+    `engines.vllm.Engine` on that folder may be passed in (benchmarks keep its start-up out of the figures)."""
+    from speculators_train.engines import vllm
+
+    def replies(requests: list[tuple[str, int]]) -> list[str]:
+        ids = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt, _ in requests]
+        caps = [cap for _, cap in requests]
+        seeds = [seed + i for i in range(len(requests))]
+        done = engine.generate(ids, caps, cfg.temperature, cfg.top_p, seeds).completions
+        return [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in done]
+
+    if engine is not None:
+        return _regenerate(conversations, tokenizer, cfg, max_length, replies)
+    # On a GPU, vLLM shares the device with the transformers copy that captures the hidden states.
+    share = 0.5 if torch.cuda.is_available() else None
+    with vllm.Engine(model, max_model_len=max_length, seed=seed, gpu_memory_utilization=share) as engine:
+        return _regenerate(conversations, tokenizer, cfg, max_length, replies)
 
 
 def _regenerate(

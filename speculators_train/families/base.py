@@ -81,6 +81,12 @@ class Layout(ABC):
         tokenizer are there; `target_dir` is the target as an HF directory), for engines that read another format."""
         return None
 
+    def vllm_speculative_config(self, out: Path, k: int) -> dict[str, Any] | None:
+        """The `speculative_config` with which vLLM serves the export at `out` at `k` draft tokens per step, as
+        `vllm serve --speculative-config` and `LLM(speculative_config=...)` take it; None: vLLM does not load
+        this layout."""
+        return None
+
     @abstractmethod
     def commands(self, out: Path, verifier: str, ev: EvalConfig, k: int) -> list[str]:
         """The engine command lines that serve the export at `out`."""

@@ -132,6 +132,11 @@ def proposal_config(
     }
 
 
+def vllm_serve(verifier: str, speculative_config: dict[str, Any]) -> str:
+    """The `vllm serve` line for a layout's `vllm_speculative_config` (the offline `LLM(...)` takes the same dict)."""
+    return f"vllm serve {verifier} --speculative-config '{json.dumps(speculative_config)}'"
+
+
 def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
     """Every tensor of the directory's safetensors files, and what to name as their source in messages (the one
     file, or the directory when the weights are sharded)."""

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from speculators_train.data.conversations import Conversation, SkipReport
 from speculators_train.data.mix import Splits
-from speculators_train.data.regenerate import regenerate, regenerate_llamacpp
+from speculators_train.data.regenerate import regenerate, regenerate_llamacpp, regenerate_vllm
 from speculators_train.data.render import Sample, render_many
 from speculators_train.data.splits import SPLITS, chunk_seed, chunks, data_fingerprint, load_splits
 from speculators_train.distributed import process_state
@@ -40,7 +40,7 @@ from speculators_train.hidden_states.shards import (
 from speculators_train.loading import open_tensors, read_json
 from speculators_train.recipe import Recipe, RegenerateConfig
 from speculators_train.runinfo import write_run_info
-from speculators_train.target import DTYPES, StateSpec, Target, gguf_file, load_target
+from speculators_train.target import DTYPES, StateSpec, Target, gguf_file, load_target, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,9 @@ def process_chunk(
         if regen.enabled and regen.engine == "llama.cpp":
             gguf = gguf_file(recipe.target)
             chunk = regenerate_llamacpp(chunk, target.tokenizer, regen, data.max_length, seed, gguf)
+        elif regen.enabled and regen.engine == "vllm":
+            model = Path(resolve_source(recipe.target)[0])
+            chunk = regenerate_vllm(chunk, target.tokenizer, regen, data.max_length, seed, model)
         elif regen.enabled:
             chunk = regenerate(chunk, target.model, target.tokenizer, regen, data.max_length, seed)
         rendered = render_many(chunk, target.tokenizer, data.max_length, data.overlong, skips)

@@ -95,9 +95,12 @@ def speedup_cell(record: dict[str, Any]) -> str:
 
 
 def engine_cell(record: dict[str, Any]) -> str:
-    """'native', or 'llama.cpp (SmolLM2...Q4_1.gguf)': who decoded, and from which target file."""
+    """'native', 'llama.cpp (SmolLM2...Q4_1.gguf)' or 'vllm (batch 8)': who decoded, from which target file, how
+    many requests at once."""
     engine = record.get("engine", "native")
-    return f"{engine} ({record['target_file']})" if record.get("target_file") else engine
+    if record.get("target_file"):
+        return f"{engine} ({record['target_file']})"
+    return f"{engine} (batch {record['batch']})" if record.get("batch") else engine
 
 
 def markdown(records: list[dict[str, Any]]) -> str:

@@ -137,6 +137,13 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
     dump = recipe.model_dump(mode="json")
     atomic_write_bytes(out_dir / "recipe.yaml", yaml.safe_dump(dump, sort_keys=False).encode())
     write_run_info(out_dir, dump)
+    if ev.engine == "vllm":
+        from speculators_train.verify.vllm_run import run_vllm
+
+        del target  # vLLM runs the target from here on; free the transformers copy
+        records = run_vllm(recipe, suites, loaded, out_dir)
+        write_outputs(out_dir, records)
+        return out_dir, records
     if ev.engine == "llama.cpp":
         from speculators_train.verify.engine import run_llamacpp
 

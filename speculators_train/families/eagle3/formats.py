@@ -34,7 +34,6 @@ SGLang / original EAGLE (SGLang's `LlamaForCausalLMEagle3`, SpecForge):
 
 from __future__ import annotations
 
-import json
 import shlex
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +55,7 @@ from speculators_train.families.layouts import (
     proposal_config,
     read_weights,
     shown,
+    vllm_serve,
 )
 from speculators_train.loading import reading
 
@@ -254,12 +254,11 @@ class SpeculatorsLayout(Layout):
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return speculators_config(draft.config, verifier, architectures, k, dtype), export_tensors(draft, dtype)
 
+    def vllm_speculative_config(self, out: Path, k: int) -> dict[str, Any]:
+        return {"model": str(out), "method": "eagle3", "num_speculative_tokens": k}
+
     def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
-        spec = {"model": str(out), "method": "eagle3", "num_speculative_tokens": k}
-        return [
-            f"vllm serve {shlex.quote(str(out))}",
-            f"vllm serve {verifier} --speculative-config '{json.dumps(spec)}'",
-        ]
+        return [f"vllm serve {shlex.quote(str(out))}", vllm_serve(verifier, self.vllm_speculative_config(out, k))]
 
 
 class SGLangLayout(Layout):

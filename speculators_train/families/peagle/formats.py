@@ -14,7 +14,6 @@ vLLM maps "peagle" to its EAGLE-3 method with `parallel_drafting: true` (`mask_t
 
 from __future__ import annotations
 
-import json
 import shlex
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import torch
 from speculators_train.errors import UserError
 from speculators_train.families.base import Layout
 from speculators_train.families.eagle3.formats import load_eagle3, speculators_config, speculators_fields
-from speculators_train.families.layouts import export_tensors, proposal_config, read_weights
+from speculators_train.families.layouts import export_tensors, proposal_config, read_weights, vllm_serve
 from speculators_train.families.peagle.model import PEagleConfig, PEagleDraft, checked_peagle_config
 from speculators_train.loading import reading
 
@@ -85,9 +84,8 @@ class PEagleLayout(Layout):
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return peagle_config(draft.config, verifier, architectures, k, dtype), peagle_tensors(draft, dtype)
 
+    def vllm_speculative_config(self, out: Path, k: int) -> dict[str, Any]:
+        return {"model": str(out), "method": "eagle3", "parallel_drafting": True, "num_speculative_tokens": k}
+
     def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
-        spec = {"model": str(out), "method": "eagle3", "parallel_drafting": True, "num_speculative_tokens": k}
-        return [
-            f"vllm serve {shlex.quote(str(out))}",
-            f"vllm serve {verifier} --speculative-config '{json.dumps(spec)}'",
-        ]
+        return [f"vllm serve {shlex.quote(str(out))}", vllm_serve(verifier, self.vllm_speculative_config(out, k))]
