@@ -43,7 +43,9 @@ PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 def require() -> None:
-    """A one-line refusal when vLLM cannot be imported (checked before any work is done)."""
+    """A one-line refusal when vLLM cannot be imported (checked before any work is done). vLLM's own log goes to
+    stderr: stdout carries what the CLI prints and the benchmarks' JSON lines."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         import vllm  # noqa: F401
     except ImportError as exc:

@@ -80,6 +80,7 @@ def complete(version_dir) -> bool:
     ).is_file()
 
 
+@pytest.mark.timeout(2400)  # 15 OSD runs, one per commit window: past 900 s on a loaded 2-core CPU without AVX-512
 def test_a_run_killed_in_every_commit_window_serves_complete_versions_and_consumes_each_record_once(
     tmp_path,
     random_draft,  # noqa: F811
