@@ -50,11 +50,15 @@ def packed_linears(models: list[nn.Module], rows: int) -> Iterator[bool]:
     weights must not change meanwhile). `rows` is the typical row count the packing is tuned for; any count
     works. Yields whether packing applies (float32 on CPU with oneDNN; other models are left as they are).
     Memory: one extra copy of the linear weights. A linear that already has its own `forward` (packed by an
-    enclosing block, or hooked by accelerate) is left alone, so nested blocks and hooks survive the exit."""
+    enclosing block, or hooked by accelerate) is left alone, so nested blocks and hooks survive the exit; so is a
+    subclass that overrides `forward` (a residual block built on a Linear), whose map is more than its weights."""
     models = [m for m in models if available(m)]
     linears = list(
         dict.fromkeys(
-            m for model in models for m in model.modules() if isinstance(m, nn.Linear) and "forward" not in m.__dict__
+            m
+            for model in models
+            for m in model.modules()
+            if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and "forward" not in m.__dict__
         )
     )
     try:

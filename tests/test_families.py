@@ -11,12 +11,13 @@ from speculators_train.export.run import export
 from speculators_train.families.drafts import draft_state_dict, load_draft
 from speculators_train.families.objective import summarize
 from speculators_train.hidden_states.generator import process_chunk
+from speculators_train.packed import available, packed_linears
 from speculators_train.proposal import Sampling
 from speculators_train.recipe import TargetConfig, load_recipe
 from speculators_train.target import TargetHead, load_head_weights
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.training.data import collate
-from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain
+from speculators_train.verify.decoder import SpeculativeDecoder, TargetRunner, decode_plain
 from speculators_train.verify.run import eos_ids, load_draft_for
 
 from .conftest import SHAREGPT, make_recipe
@@ -95,6 +96,33 @@ def test_the_proposer_decodes_the_targets_own_greedy_output(tmp_path, target, fr
     result = SpeculativeDecoder(target, proposer, Sampling(), k).generate(prompt, 24, eos_ids(target))
     assert result.tokens == reference and len(result.accepted) >= 1
     assert target.aux_layer_ids == [2, 15, 27]  # loading a draft never changes the shared target
+
+
+@pytest.mark.skipif(not available(torch.nn.Linear(2, 2)), reason="needs a CPU torch built with oneDNN")
+def test_the_proposer_drafts_the_same_tokens_on_the_packed_weights_verify_uses(tmp_path, target, fresh):
+    """verify runs the target and the draft on oneDNN-packed linears: a draft module whose map is more than a
+    Linear's weights must keep its map there (Medusa's residual blocks once became plain linears)."""
+    family, _, draft = fresh
+    save_checkpoint(tmp_path, 1, draft, None, {"step": 1}, keep_last=1)
+    loaded = load_draft_for(target, tmp_path)
+    prompt = target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three prime numbers."}], add_generation_prompt=True
+    )
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    k = family.draft_tokens(loaded.draft, 4)
+
+    def first_drafts() -> list[int]:
+        proposer, runner = family.proposer(loaded.draft, target), TargetRunner(target)
+        runner.reset()
+        proposer.reset()
+        _, states = runner.forward(prompt[:-1], states=proposer.states)
+        proposer.extend(prompt[1:], states)
+        return proposer.propose_chain(k, Sampling(), None)[0]
+
+    plain = first_drafts()
+    with packed_linears([target.model, loaded.draft], k + 1) as packed:
+        assert packed
+        assert first_drafts() == plain
 
 
 def test_every_export_layout_reads_back_to_the_same_draft(tmp_path, target, fresh):

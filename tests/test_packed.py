@@ -53,3 +53,22 @@ def test_nested_blocks_and_foreign_forwards_survive_the_exit():
             assert outer_model.__dict__["forward"] is packed_forward
         assert outer_model.__dict__["forward"] is packed_forward
     assert "forward" not in outer_model.__dict__ and hooked.__dict__["forward"] is hook
+
+
+class Residual(nn.Linear):
+    """A Linear whose map is more than its weights, as Medusa's residual blocks are."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.silu(super().forward(x))
+
+
+def test_a_linear_subclass_with_its_own_forward_keeps_its_map():
+    torch.manual_seed(0)
+    model = nn.Sequential(Residual(16, 16), nn.Linear(16, 8))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        want = model(x)
+        with packed_linears([model], 3):
+            assert "forward" not in model[0].__dict__ and "forward" in model[1].__dict__
+            got = model(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
