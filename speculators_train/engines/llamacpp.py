@@ -40,6 +40,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from speculators_train import children
 from speculators_train.errors import UserError
 from speculators_train.target import cache_root
 
@@ -94,7 +95,7 @@ def _run(cmd: list[str], logfile: Path, what: str) -> None:
     with open(logfile, "a") as out:
         out.write(f"$ {' '.join(cmd)}\n")
         out.flush()
-        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT)
+        code = children.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
     if code != 0:
         tail = "\n".join(logfile.read_text(errors="replace").splitlines()[-15:])
         raise UserError(f"llama.cpp: {what} failed (exit {code}); full log in {logfile}:\n{tail}")
@@ -222,7 +223,11 @@ def convert(model_dir: Path, out: Path, outtype: str = "f32", target_dir: Path |
         cmd += ["--target-model-dir", str(target_dir)]
     # The converter must use its own gguf-py (it knows the EAGLE-3 arch), not the `gguf` package installed here.
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    try:
+        proc = children.run(cmd, capture_output=True, text=True, env=env)
+    except BaseException:  # Ctrl-C or SIGTERM: the converter is ended, its half-written file removed
+        tmp.unlink(missing_ok=True)
+        raise
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
@@ -269,6 +274,18 @@ def parse_metrics(text: str) -> dict[str, Any]:
     return out
 
 
+REQUEST_SECONDS = 600.0  # one completion of a verify suite or a regeneration batch, on a slow CPU
+
+
+def _size(body: dict[str, Any]) -> str:
+    prompt = body.get("prompt")
+    return f"{len(prompt)} prompt tokens and {body.get('n_predict')} new" if isinstance(prompt, list) else "one prompt"
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 class Server:
     """A llama-server on a free local port, for one model and speculative setting; a context manager."""
 
@@ -295,8 +312,18 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.logfile.parent.mkdir(parents=True, exist_ok=True)
         with open(self.logfile, "w") as out:  # the child keeps its own handle for its whole life
-            self.proc = subprocess.Popen(self.command(port), stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
+            self.proc = subprocess.Popen(
+                self.command(port), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        try:
+            self._wait_healthy(300)
+        except BaseException:  # not up, Ctrl-C or SIGTERM while it starts: `with` will not call __exit__
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_healthy(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 tail = "\n".join(self.logfile.read_text(errors="replace").splitlines()[-12:])
@@ -304,35 +331,50 @@ class Server:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
-                        return self
+                        return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.2)
-        self.__exit__(None, None, None)
-        raise UserError(f"llama-server did not come up in 300 s (log: {self.logfile})")
+        raise UserError(f"llama-server did not come up in {seconds:.0f} s (log: {self.logfile})")
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            children.end_group(self.proc)
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _post(self, path: str, body: dict[str, Any], timeout: float = REQUEST_SECONDS) -> dict[str, Any]:
+        """POST JSON and return the JSON object the server answers. Every way a reply can fail (an HTTP error, no
+        answer within `timeout`, a closed connection, a body that is not a JSON object) is one line naming the
+        server, the request and its log."""
         request = urllib.request.Request(
             self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
+        where = f"llama-server {self.url}{path} ({self.model.name}, log {self.logfile})"
         try:
-            with urllib.request.urlopen(request, timeout=600) as r:
-                return json.loads(r.read())
+            with urllib.request.urlopen(request, timeout=timeout) as r:
+                raw = r.read()
         except urllib.error.HTTPError as exc:
-            raise UserError(f"llama-server {path}: HTTP {exc.code}: {exc.read()[:500]!r}") from None
+            raise UserError(f"{where}: HTTP {exc.code}: {exc.read()[:500]!r}") from None
+        except TimeoutError:
+            raise UserError(f"{where}: no answer within {timeout:.0f} s to a request of {_size(body)}") from None
+        except (urllib.error.URLError, ConnectionError, OSError) as exc:
+            raise UserError(f"{where}: the request failed: {getattr(exc, 'reason', exc)}") from None
+        try:
+            reply = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise UserError(f"{where}: the answer is not JSON: {raw[:200]!r}") from None
+        if not isinstance(reply, dict):
+            raise UserError(f"{where}: the answer is not a JSON object: {raw[:200]!r}")
+        return reply
 
     def metrics(self) -> dict[str, Any]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
-            return parse_metrics(r.read().decode())
+            return parse_metrics(r.read().decode(errors="replace"))
+
+    def _tokens(self, reply: dict[str, Any]) -> list[int]:
+        tokens = reply.get("tokens") or []
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise UserError(f"llama-server {self.url} ({self.model.name}): 'tokens' is not a list of token ids")
+        return tokens
 
     def generate(self, ids: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int) -> list[int]:
         """The reply's token ids (end-of-generation token excluded) to prompt ids; safe to call from several threads,
@@ -351,7 +393,7 @@ class Server:
                 "stream": False,
             },
         )
-        return list(reply.get("tokens") or [])
+        return self._tokens(reply)
 
     def cpu_seconds(self) -> float:
         """CPU time the server process has used so far (user + system), from /proc."""
@@ -376,6 +418,9 @@ class Server:
         )
         after = self.metrics()
         timings = reply.get("timings", {})
+        read = ("predicted_ms", "prompt_ms", "draft_n", "draft_n_accepted")
+        if not isinstance(timings, dict) or not all(_number(timings.get(k, 0)) for k in read):
+            raise UserError(f"llama-server {self.url} ({self.model.name}): 'timings' {timings!r:.200} is not numbers")
 
         def delta(name: str) -> int:
             return round(after.get(name, 0.0) - before.get(name, 0.0))
@@ -384,7 +429,7 @@ class Server:
         per_before, per_after = before.get(name, []), after.get(name, [])
         per = [round(a - (per_before[i] if i < len(per_before) else 0.0)) for i, a in enumerate(per_after)]
         return Completion(
-            tokens=list(reply.get("tokens") or []),
+            tokens=self._tokens(reply),
             seconds=float(timings.get("predicted_ms", 0.0)) / 1000,
             prompt_seconds=float(timings.get("prompt_ms", 0.0)) / 1000,
             drafted=int(timings.get("draft_n", 0)),

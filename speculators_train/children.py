@@ -1,0 +1,51 @@
+"""Child processes that never outlive the toolkit: each runs in its own process group, and when this process
+unwinds (an error, Ctrl-C, SIGTERM) the whole group is ended, so a build's compilers, a converter or a server
+are not left running under PID 1."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+
+def end_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM to the child's process group, SIGKILL after `grace` seconds; returns once the child is reaped."""
+    if proc.poll() is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the leader is gone; its group may not be
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def group(cmd: list[str], **popen: Any) -> Iterator[subprocess.Popen]:
+    """`subprocess.Popen(cmd, **popen)` in a new process group, ended with its group when the block exits."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+    try:
+        yield proc
+    finally:
+        end_group(proc)
+
+
+def run(cmd: list[str], **popen: Any) -> subprocess.CompletedProcess:
+    """`subprocess.run` (text output captured with `capture_output=True`), the child's group ended if this
+    process is interrupted while it runs."""
+    capture = popen.pop("capture_output", False)
+    if capture:
+        popen.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with group(cmd, **popen) as proc:
+        out, err = proc.communicate()
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
