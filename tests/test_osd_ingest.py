@@ -131,7 +131,7 @@ def test_secrets_and_personal_data_are_redacted_before_anything_is_stored(tmp_pa
             assert leaked not in stored, leaked
     finally:
         sys.path.remove(str(tmp_path))
-    with pytest.raises(UserError, match=r"osd.redact\[0\]: invalid regex '\(oops'"):
+    with pytest.raises(UserError, match=r"osd.redact\[0\]: '\(oops' is not an RE2 regex"):
         Redactor(["(oops"])
     with pytest.raises(UserError, match=r"osd\.redact_hook: cannot load 'nowhere:fn'"):
         Redactor([], hook="nowhere:fn")

@@ -70,6 +70,7 @@ def in_child(code: str, timeout: float) -> str:
 
 JWT = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"
 AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+PEM = "MIIEowIBAAKCAQEA3Tz2mr7SZiAMfQyuvBjM2Oq8Xyf9kRb6bqN0zq1XkN3l0Jg7"
 SECRETS = [  # (id, text holding it, the secret, the label left)
     ("email", "mail alice@example.com now", "alice@example.com", "[EMAIL]"),
     (
@@ -102,6 +103,64 @@ SECRETS = [  # (id, text holding it, the secret, the label left)
     ("openai_key", "sk-proj-" + "A1b2C3d4" * 4, "A1b2C3d4" * 4, "[API_KEY]"),
     ("slack_token", "xoxb-123456789012-abcdefghijklmnop", "abcdefghijklmnop", "[API_KEY]"),
     ("huggingface_token", "hf_" + "aBcD" * 8, "aBcD" * 8, "[API_KEY]"),
+    ("rsa_private_key", f"-----BEGIN RSA PRIVATE KEY-----\n{PEM}\n-----END RSA PRIVATE KEY-----", PEM, "[PRIVATE_KEY]"),
+    (
+        "openssh_private_key",
+        f"-----BEGIN OPENSSH PRIVATE KEY-----\n{PEM}\n-----END OPENSSH PRIVATE",
+        PEM,
+        "[PRIVATE_KEY]",
+    ),
+    (
+        "service_account_key",
+        f'{{"private_key": "-----BEGIN PRIVATE KEY-----\\n{PEM}\\n-----END PRIVATE KEY-----\\n"}}',
+        PEM,
+        "[PRIVATE_KEY]",
+    ),
+    (
+        "service_account_key_id",
+        '{"private_key_id": "3f9a1c0b7e2d4a6b8c0d1e2f3a4b5c6d7e8f9a0b"}',
+        "3f9a1c0b7e2d",
+        "[SECRET]",
+    ),
+    ("postgres_url", "DATABASE_URL=postgres://admin:Zq8v!x@db.internal:5432/app", "Zq8v!x", "[CREDENTIALS]"),
+    ("redis_url_user_only_password", "redis://:s3cretRedis@cache:6379/0", "s3cretRedis", "[CREDENTIALS]"),
+    ("api_key_label", "api_key=Zk4mQ9pL2xV7 in the config", "Zk4mQ9pL2xV7", "[SECRET]"),
+    ("access_token_json", '{"access_token": "ya.Qm9vNzVhYmNkZWYxMjM0"}', "Qm9vNzVhYmNkZWYxMjM0", "[SECRET]"),
+    ("client_secret_yaml", "client_secret: 'Wn3rT8yU1iO5pA9s'", "Wn3rT8yU1iO5pA9s", "[SECRET]"),
+    ("x_api_key_header", "X-API-Key: 7c4d9e2f1a8b3c6d", "7c4d9e2f1a8b3c6d", "[SECRET]"),
+    ("cookie_header", "Cookie: sessionid=Hx81jK2mQp; csrftoken=Tz93Lq", "Hx81jK2mQp", "[COOKIE]"),
+    ("set_cookie_header", "Set-Cookie: auth=Rk29Vb71Qa; Path=/; HttpOnly", "Rk29Vb71Qa", "[COOKIE]"),
+    (
+        "slack_webhook",
+        "https://hooks.slack.com/services/T0ABCDEF1/B0ABCDEF2/Vb7Qm2Kx9Lp4Zt6Rw1Yn3Hs8",
+        "Vb7Qm2Kx9Lp4",
+        "[TOKEN]",
+    ),
+    (
+        "discord_webhook",
+        "https://discord.com/api/webhooks/123456789012345678/Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4z",
+        "Ab3dEf6hIj9kLm2nOp5q",
+        "[TOKEN]",
+    ),
+    ("npm_token", "//registry.npmjs.org/:_authToken=npm_" + "Q7w" * 12, "Q7w" * 12, "[TOKEN]"),
+    ("pypi_token", "password = pypi-AgEIcHlwaS5vcmc" + "Xy9_" * 14, "Xy9_" * 14, "[TOKEN]"),
+    ("docker_hub_pat", "dckr_pat_" + "Ab1-" * 7, "Ab1-" * 7, "[TOKEN]"),
+    ("stripe_webhook_secret", "whsec_" + "Mn4Pq7" * 5, "Mn4Pq7" * 5, "[TOKEN]"),
+    ("sendgrid_key", "SG." + "a1B2c3D4e5F6g7H8i9J0kL" + "." + "m" * 43, "a1B2c3D4e5F6g7H8i9J0kL", "[TOKEN]"),
+    ("telegram_bot", "bot 1234567890:AA" + "Hk3" * 11, "Hk3" * 11, "[TOKEN]"),
+    ("visa_card", "card 4111 1111 1111 1111, exp 12/29", "4111 1111 1111 1111", "[CARD]"),
+    ("amex_card_dashes", "amex 3782-822463-10005", "3782-822463-10005", "[CARD]"),
+    ("card_then_digits", "pay 5555555555554444 1234", "5555555555554444", "[CARD]"),
+    ("iban", "IBAN DE89 3704 0044 0532 0130 00 please", "3704 0044 0532", "[IBAN]"),
+    ("us_ssn", "SSN 078-05-1120 on file", "078-05-1120", "[NATIONAL_ID]"),
+    ("uk_nino", "NI number JG 10 37 20 A", "JG 10 37 20 A", "[NATIONAL_ID]"),
+    ("phone_international", "call +44 20 7946 0958 today", "7946 0958", "[PHONE]"),
+    ("phone_north_american", "cell (415) 555-2671", "555-2671", "[PHONE]"),
+    ("ipv4", "from 203.0.113.42.", "203.0.113.42", "[IP]"),
+    ("ipv6", "peer 2001:db8:85a3::8a2e:370:7334 up", "2001:db8:85a3::8a2e:370:7334", "[IP]"),
+    ("fullwidth_at", "mail zqxeve\uff20example.com", "zqxeve", "[EMAIL]"),
+    ("zero_width_in_key", "sk-proj-\u200b" + "A1b2C3d4" * 4, "A1b2C3d4A1b2C3d4", "[API_KEY]"),
+    ("fullwidth_key_prefix", "\uff53\uff4b-" + "Q9w8E7r6T5y4U3i2", "Q9w8E7r6T5y4U3i2", "[API_KEY]"),
 ]
 
 
@@ -179,8 +238,23 @@ def test_a_record_id_holding_an_email_is_redacted(tmp_path, key):
         "sha256 e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
         "ssh user@localhost",  # no domain suffix: not an address
         "AKIA is how AWS key ids start",
+        "std::vector<int> v; auto s = x[1::2]; at 12:30:45",  # `::` in code and a time are not IPv6 addresses
+        "In 2023-01-15 we sold 1,234,567 units, up 12.5% on 3.14",  # dates, counts, versions
+        "the order 4111111111111112 and 1234567890123",  # digit runs failing Luhn are not cards
+        "the api key is set in settings",  # a label without a value
     ],
-    ids=["identifier_with_sk_", "basic_in_prose", "bearer_in_prose", "hex_digest", "user_at_localhost", "akia_word"],
+    ids=[
+        "identifier_with_sk_",
+        "basic_in_prose",
+        "bearer_in_prose",
+        "hex_digest",
+        "user_at_localhost",
+        "akia_word",
+        "code_and_times",
+        "dates_and_numbers",
+        "non_luhn_digits",
+        "label_without_value",
+    ],
 )
 def test_ordinary_text_is_left_alone(text):
     assert Redactor([], True)(text) == text
@@ -210,6 +284,17 @@ ADVERSARIAL = {
     "json_escapes": "'\\\\u0040' * (n // 6)",
     "secret_labels": "'secret_key=' * (n // 11)",
     "authorization_labels": "'Authorization:' * (n // 14)",
+    "digit_run": "'7' * n",
+    "spaced_digits": "'1 ' * (n // 2)",
+    "dotted_digits": "'1.' * (n // 2)",
+    "hex_colons": "'a:' * (n // 2)",
+    "url_schemes": "'://a:' * (n // 5)",
+    "key_begins": "'-----BEGIN PRIVATE KEY-----' * (n // 27)",
+    "cookie_labels": "'cookie:' * (n // 7)",
+    "token_labels": "'api_key=' * (n // 8)",
+    "plus_digits": "'+1 ' * (n // 3)",
+    "upper_pairs": "'AB12' * (n // 4)",
+    "fullwidth_text": "'\\uff41' * n",
 }
 
 
@@ -257,6 +342,70 @@ print(json.dumps([stats.records, time.perf_counter() - start]))
 """
     records, seconds = json.loads(in_child(code, timeout=120))
     assert records == 3 and seconds < 60
+
+
+def test_a_token_in_a_log_file_name_reaches_neither_origins_nor_state(tmp_path):
+    token = "ghp_" + "Ab3" * 12
+    logs = tmp_path / "logs"
+    write(logs / f"app-{token}.jsonl", [line(0), "{not json"])
+    ing = ingestor(logs, tmp_path / "state")
+    assert ing.run().records == 1
+    assert token not in stored(tmp_path / "state")
+    assert {e["origin"] for e in ing.entries()} == {"app-[GITHUB_TOKEN].jsonl:1", "app-[GITHUB_TOKEN].jsonl:2"}
+    write(logs / f"app-{token}.jsonl", [line(1)], mode="a")  # the same file is still followed under its name
+    assert ing.run().records == 1 and token not in stored(tmp_path / "state")
+
+
+def test_a_users_pattern_with_nested_quantifiers_takes_linear_time():
+    """On a backtracking engine `(a+)+$` takes exponential time on 'aaa...b'; the recipe's patterns run on RE2."""
+    code = """
+import json, time
+from speculators_train.osd.redact import Redactor
+redact = Redactor(["(a+)+$", "(x|x)*y", "secret-[0-9]+"], False)
+start = time.perf_counter()
+out = redact("a" * 200_000 + "b " + "x" * 100_000 + " secret-42")
+print(json.dumps([time.perf_counter() - start, out.endswith("[REDACTED]")]))
+"""
+    seconds, redacted = json.loads(in_child(code, timeout=60))
+    assert seconds < 5 and redacted
+
+
+@pytest.mark.parametrize("pattern", ["(a)\\1", "(?<=x)y", "("], ids=["backreference", "lookbehind", "unbalanced"])
+def test_a_pattern_re2_cannot_run_is_one_line(tmp_path, capsys, pattern):
+    with pytest.raises(UserError, match=r"osd\.redact\[1\]: .* is not an RE2 regex"):
+        Redactor(["ok", pattern], True)
+    logs = tmp_path / "logs"
+    write(logs / "a.jsonl", [line(0)])
+    sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]
+    recipe = make_recipe(tmp_path, sources, osd={"redact": [pattern]})
+    clean_error(["osd", recipe, "--logs", logs, "--ingest-only"], capsys, "osd.redact[0]", "not an RE2 regex")
+
+
+HOOKS = """
+def raising_hook(text):
+    raise ValueError("cannot handle " + text)
+
+
+def integer_hook(text):
+    return len(text)
+"""
+
+
+@pytest.mark.parametrize(
+    ("hook", "reason"),
+    [("raising_hook", "osd.redact_hook raised ValueError"), ("integer_hook", "returned int, not text")],
+)
+def test_a_failing_redact_hook_quarantines_the_line_without_its_text(tmp_path, monkeypatch, hook, reason):
+    (tmp_path / "user_hooks.py").write_text(HOOKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    logs = tmp_path / "logs"
+    write(logs / "a.jsonl", [line(0, "private words"), "{broken private words"])
+    ing = LogIngestor(logs, tmp_path / "state", Redactor([], True, f"user_hooks:{hook}"), 256)
+    stats = ing.run()
+    assert (stats.records, stats.quarantined) == (0, 2)
+    assert stats.reasons == {"redact_hook_failed": 2}
+    assert "private words" not in stored(tmp_path / "state")
+    assert all(reason in e["quarantined"] and e["raw"] == "" for e in ing.entries())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
