@@ -63,9 +63,9 @@ from typing import Any, BinaryIO
 
 from speculators_train.data.conversations import Conversation, SkipReport, normalize_record
 from speculators_train.errors import UserError
-from speculators_train.files import atomic_write_json
+from speculators_train.files import atomic_write_json, to_json
 from speculators_train.loading import read_json
-from speculators_train.osd.redact import Redactor
+from speculators_train.osd.redact import RedactionFailed, Redactor
 
 STATE_VERSION = 2
 HEAD_BYTES = 4096  # fingerprint of a file's first bytes: what must not change while it is the same file
@@ -154,8 +154,11 @@ def parse_line(raw: bytes, origin: str, redact: Redactor) -> tuple[Conversation 
         return None, f"invalid_json: {exc.msg if isinstance(exc, json.JSONDecodeError) else exc}"
     if conversation is None:
         return None, next(iter(report.counts))
-    messages = tuple({"role": m["role"], "content": redact(m["content"])} for m in conversation.messages)
-    return Conversation(redact(conversation.id), messages, origin), None
+    try:
+        messages = tuple({"role": m["role"], "content": redact(m["content"])} for m in conversation.messages)
+        return Conversation(redact(conversation.id), messages, origin), None
+    except RedactionFailed as exc:
+        return None, f"redact_hook_failed: {exc}"
 
 
 def _sha(data: bytes) -> str:
@@ -323,7 +326,7 @@ class LogIngestor:
     def _candidates(self) -> list[_File]:
         """Log files and their rotated siblings, each identity once; base names before their rotated copies."""
         found: dict[str, _File] = {}
-        root = self.root.resolve()
+        root, logs = self.root.resolve(), self.logs.resolve()
         paths = sorted(self.logs.rglob("*.jsonl*"), key=lambda p: (p.name, p.as_posix()))
         for path in paths:
             if not _LOG_NAME.search(path.name) or path.name.lower().endswith(COMPRESSED):
@@ -333,17 +336,23 @@ class LogIngestor:
             except OSError:
                 continue  # gone since the listing
             resolved = path.resolve()
+            if logs not in resolved.parents:  # a link out of the logs directory: never copied into the store
+                name = self.redact.without_hook(path.relative_to(self.logs).as_posix())
+                self.notes.append(f"{name}: a link to a file outside {self.logs}, not read")
+                continue
             if not path.is_file() or resolved == root or root in resolved.parents:
                 continue  # our own segments, when the run directory lies under the logs
             key = f"{st.st_dev}:{st.st_ino}"
-            found.setdefault(key, _File(path, path.relative_to(self.logs).as_posix(), key, st.st_size))
+            # A name reaches every record's origin and the state: a token in a file name is redacted there too.
+            name = self.redact.without_hook(path.relative_to(self.logs).as_posix())
+            found.setdefault(key, _File(path, name, key, st.st_size))
         return list(found.values())
 
     def run(self) -> IngestStats:
         """One pass over every log file; commits as it goes."""
+        files = self._candidates()  # may add notes (a link out of the logs directory)
         stats = IngestStats(notes=self.notes)
         self.notes = []
-        files = self._candidates()
         self._classify(files, stats)
         for f in files:
             stats.files += 1
@@ -469,10 +478,15 @@ class LogIngestor:
         return {"origin": origin, "id": conversation.id, "messages": list(conversation.messages)}
 
     def _quarantine(self, origin: str, reason: str, raw: str, stats: IngestStats) -> dict[str, Any]:
+        try:
+            stored = {"origin": origin, "quarantined": self.redact(reason), "raw": self.redact(raw)}
+        except RedactionFailed as exc:  # the hook cannot redact this line: it is kept without its text
+            reason = f"redact_hook_failed: {exc}" if not reason.startswith("redact_hook_failed") else reason
+            stored = {"origin": origin, "quarantined": reason, "raw": ""}
         kind = reason.split(":")[0]
         stats.quarantined += 1
         stats.reasons[kind] = stats.reasons.get(kind, 0) + 1
-        return {"origin": origin, "quarantined": self.redact(reason), "raw": self.redact(raw)}
+        return stored
 
     def _commit(self, batch: list[dict[str, Any]]) -> None:
         """Segment first (fsynced), then the state naming it: the state file is the only commit point."""
@@ -481,7 +495,7 @@ class LogIngestor:
             segment = f"{len(state['segments']):06d}.jsonl"
             tmp = self.segments_dir / f"{segment}.tmp"
             with open(tmp, "w") as out:
-                out.writelines(json.dumps(item) + "\n" for item in batch)
+                out.writelines(to_json(item) + "\n" for item in batch)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, self.segments_dir / segment)
