@@ -6,6 +6,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Iterator
@@ -75,8 +76,52 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
 
 
+def finite(obj: Any) -> Any:
+    """`obj` with every non-finite float (NaN, +-inf) replaced by None: JSON has no such numbers, and a reader
+    other than Python's (jq, JavaScript, a dashboard) refuses the bare `NaN` Python would write."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def to_json(obj: Any, **kwargs: Any) -> str:
+    """Strict JSON: a non-finite number is written as null (see `finite`), never as `NaN` or `Infinity`."""
+    return json.dumps(finite(obj), allow_nan=False, **kwargs)
+
+
 def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(path, (to_json(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def append_line(path: Path, line: str, sync: bool = False) -> None:
+    """Append one line to a run directory's log, never through a symbolic link planted there (O_NOFOLLOW): the
+    toolkit writes only inside the run directory. `sync`: on disk before this returns."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UserError(
+                f"{path} is a symbolic link: a run directory's files are written in place; remove it"
+            ) from None
+        raise
+    with os.fdopen(fd, "a") as fh:
+        fh.write(line)
+        if sync:
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def refuse_links(directory: Path) -> None:
+    """A stage directory may itself be a link (a run's states kept on another disk), but no file in it: reading
+    or rewriting a planted link would read or write outside the run."""
+    if directory.is_dir():
+        for path in directory.rglob("*"):
+            if path.is_symlink():
+                raise UserError(f"{path} is a symbolic link: a run directory's files are written in place; remove it")
 
 
 def remove_stale_temporaries(directory: Path) -> int:

@@ -25,6 +25,12 @@ from speculators_train.schema import (
     validate_mapping,
 )
 
+# The most draft tokens one verify step may carry (chain K, tree depth), and the most nodes a tree may verify: far
+# above what pays on any engine (vLLM and SGLang recipes use K <= 8, EAGLE's trees 60-ish nodes), low enough that a
+# typo cannot make every step a forward of thousands of positions.
+MAX_DRAFT_TOKENS = 64
+MAX_TREE_BUDGET = 1024
+
 
 class TargetConfig(Section):
     name_or_path: str = Field(
@@ -199,8 +205,8 @@ class ExportConfig(Section):
 
 class TreeConfig(Section):
     top_k: int = Field(4, gt=0, description="Children per expanded node, and nodes expanded per depth.")
-    depth: int = Field(5, gt=0, description="Draft steps per verify step.")
-    budget: int = Field(24, gt=0, description="Draft nodes verified per step (the most probable).")
+    depth: int = Field(5, gt=0, le=MAX_DRAFT_TOKENS, description="Draft steps per verify step.")
+    budget: int = Field(24, gt=0, le=MAX_TREE_BUDGET, description="Draft nodes verified per step (the most probable).")
     shape: Literal["dynamic", "measured"] = Field(
         "dynamic",
         description="dynamic: each step keeps the `budget` most probable paths (any draft); other shapes belong to "
@@ -232,8 +238,8 @@ class LlamaCppConfig(Section):
     @field_validator("speculative_tokens")
     @classmethod
     def _ks(cls, value: list[int]) -> list[int]:
-        if any(k < 1 for k in value):
-            raise ValueError("each K must be >= 1")
+        if any(k < 1 or k > MAX_DRAFT_TOKENS for k in value):
+            raise ValueError(f"each K must be >= 1 and <= {MAX_DRAFT_TOKENS}")
         return value
 
 
@@ -261,8 +267,8 @@ class VllmConfig(Section):
     @field_validator("speculative_tokens")
     @classmethod
     def _ks(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and (not value or any(k < 1 for k in value)):
-            raise ValueError("a non-empty list of K >= 1")
+        if value is not None and (not value or any(k < 1 or k > MAX_DRAFT_TOKENS for k in value)):
+            raise ValueError(f"a non-empty list of K, each >= 1 and <= {MAX_DRAFT_TOKENS}")
         return value
 
 
@@ -271,7 +277,9 @@ class EvalConfig(Section):
         default_factory=lambda: ["eval/suites/sharegpt-held-out.yaml"], description="Suite YAML files."
     )
     mode: Literal["chain", "tree"] = "chain"
-    num_speculative_tokens: int = Field(5, gt=0, description="K, draft tokens per verify step (chain mode).")
+    num_speculative_tokens: int = Field(
+        5, gt=0, le=MAX_DRAFT_TOKENS, description="K, draft tokens per verify step (chain mode)."
+    )
     tree: TreeConfig = Field(default_factory=TreeConfig)
     temperatures: list[float] = Field(default_factory=lambda: [0.0], description="0 = greedy; one run each.")
     top_p: float = Field(1.0, gt=0, le=1)
@@ -309,7 +317,7 @@ class OSDConfig(Section):
     )
     redact_hook: str | None = Field(None, description="'module:function' (str -> str) run after the regexes.")
     commit_every: int = Field(256, gt=0, description="Log lines per ingestion commit (the unit redone after a kill).")
-    poll_seconds: float = Field(30.0, gt=0, description="Pause between passes with --watch.")
+    poll_seconds: float = Field(30.0, gt=0, le=86400, description="Pause between passes with --watch (a day at most).")
     init_from: str | None = Field(None, description="The deployed draft to adapt (checkpoint or export dir).")
     update_interval: int = Field(64, gt=0, description="Log records per distillation update.")
     steps_per_update: int = Field(16, gt=0, description="Optimizer steps per update, on batches from the buffer.")
@@ -341,7 +349,7 @@ DraftSettings = Annotated[Union[families.settings_types()], Field(discriminator=
 class Recipe(Section):
     name: str = Field(description="Run name; also the default run directory runs/<name>.")
     output_dir: str | None = Field(None, description="Run directory; default runs/<name>.")
-    seed: int = Field(0, description="Seed for data order and any sampling.")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed for data order and any sampling (numpy's range).")
     target: TargetConfig = Field(default_factory=TargetConfig)
     data: DataConfig
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
@@ -356,8 +364,8 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _rules(self) -> Recipe:
-        if not self.name or "/" in self.name:
-            raise ValueError("name must be a non-empty string without '/'")
+        if not self.name or "/" in self.name or "\\" in self.name or self.name in (".", "..") or "\0" in self.name:
+            raise ValueError("name must be a non-empty string without '/', and not '.' or '..' (it names a directory)")
         draft, name = self.draft, self.draft.family
         problems = []
         blocker = next((p for p in (self.run_dir, *self.run_dir.parents) if p.exists()), None)
@@ -365,6 +373,9 @@ class Recipe(Section):
             problems.append(f"output_dir {str(self.run_dir)!r}: {blocker} is a file, the run needs a directory there")
         if self.export.format not in draft.formats:
             problems.append(f"export.format {self.export.format!r}: the {name} family writes {list(draft.formats)}")
+        vocab = getattr(draft, "draft_vocab_size", None)
+        if vocab is not None and self.eval.tree.top_k > vocab:
+            problems.append(f"eval.tree.top_k {self.eval.tree.top_k}: the draft proposes from {vocab} tokens")
         if self.eval.tree.shape not in draft.tree_shapes:
             problems.append(f"eval.tree.shape {self.eval.tree.shape!r}: {name} drafts grow {list(draft.tree_shapes)}")
         if self.training.init_from and not draft.fine_tunes:

@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator
 
 from speculators_train.errors import UserError
 from speculators_train.loading import parse_yaml, read_yaml
@@ -22,12 +22,32 @@ from speculators_train.loading import parse_yaml, read_yaml
 DTypeName = Literal["float32", "bfloat16", "float16"]
 M = TypeVar("M", bound="Section")
 
+# The largest integer any setting may hold: what torch, numpy and the file formats store (int64).
+MAX_INT = 2**63 - 1
+
+
+def _huge_int(value: Any) -> bool:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return abs(value) > MAX_INT
+    if isinstance(value, list | tuple):
+        return any(_huge_int(v) for v in value)
+    return isinstance(value, dict) and any(_huge_int(v) for v in value.values())
+
 
 class Section(BaseModel):
     """Base for every section of a YAML file: unknown keys are errors, never silently ignored, and values are taken
-    as written (strict): `batch_size: true` or `seed: "0"` is refused rather than read as 1 or 0."""
+    as written (strict): `batch_size: true` or `seed: "0"` is refused rather than read as 1 or 0. No number may be
+    `.inf` or `.nan` (a rate, a pause, a temperature that is not a number poisons every step after it), and no
+    integer may exceed int64, which is all torch and the file formats hold."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _fits_int64(cls, value: Any) -> Any:
+        if _huge_int(value):
+            raise ValueError("integers must lie within +-(2**63 - 1), what torch and the file formats store")
+        return value
 
     # Where the YAML came from, for error messages and relative paths; not a key of the file.
     _source_path: Path | None = PrivateAttr(None)
@@ -127,7 +147,8 @@ def _format_error(path: Path, error: dict[str, Any], model: type[BaseModel], mov
         tag_key = error["ctx"]["discriminator"].strip("'")
         got = "is missing" if kind == "union_tag_not_found" else f"{error['ctx']['tag']!r} is not registered"
         return f"{path}: {key}.{tag_key}: {got} (one of {tags})"
-    return f"{path}: {key}: {error['msg']} (got {_short_repr(error.get('input'))})"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{path}: {key}: {message} (got {_short_repr(error.get('input'))})"
 
 
 def _short_repr(value: Any) -> str:

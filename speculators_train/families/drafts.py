@@ -13,7 +13,6 @@ or hostile directory is one line naming the file and the key or tensor.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from speculators_train import families
 from speculators_train.errors import UserError
 from speculators_train.families.base import Family, LoadedDraft
 from speculators_train.families.layouts import load_checked, shown
+from speculators_train.files import to_json
 from speculators_train.loading import load_tensors, read_json_object, reading
 
 CONFIG = "draft_config.json"
@@ -44,11 +44,25 @@ def draft_state_dict(draft: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items() if k not in skip}
 
 
+def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating tensor holding NaN or +-inf, None when every value is a number."""
+    return next((k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+
+
+def refuse_non_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """A draft with NaN or inf weights proposes garbage (or nothing) in every engine: never written, never used."""
+    name = non_finite(tensors)
+    if name is not None:
+        raise UserError(f"{where}: tensor {name!r} holds non-finite values (NaN or inf); the draft is unusable")
+
+
 def save_draft(directory: Path, draft: nn.Module) -> None:
     """Weights and config (with the family's name) into `directory`, which the caller renames into place."""
-    save_file(draft_state_dict(draft), directory / WEIGHTS)
+    weights = draft_state_dict(draft)
+    refuse_non_finite(weights, f"saving the draft to {directory}")
+    save_file(weights, directory / WEIGHTS)
     saved = {"family": family_of(draft).name, **draft.config.to_dict()}
-    (directory / CONFIG).write_text(json.dumps(saved, indent=2))
+    (directory / CONFIG).write_text(to_json(saved, indent=2))
 
 
 def _family(saved: dict[str, Any], config_file: Path) -> Family:
@@ -92,9 +106,11 @@ def load_draft(path: Path, target_num_layers: int) -> LoadedDraft:
             for layout in family.layouts.values():
                 if layout.detect(config):
                     draft, has_embedding = layout.read(path, config, target_num_layers)
+                    refuse_non_finite(draft.state_dict(), str(path))
                     return LoadedDraft(family, draft, path, has_embedding)
     resolved = resolve_checkpoint(path)
     family, draft = load_checkpoint(resolved)
+    refuse_non_finite(draft.state_dict(), str(resolved))
     return LoadedDraft(family, draft, resolved, False)  # ours never store the target's embedding
 
 

@@ -49,7 +49,7 @@ from speculators_train.families import get
 from speculators_train.families.base import Family, LoadedDraft
 from speculators_train.families.drafts import check_fits, load_checkpoint, load_draft
 from speculators_train.families.objective import predicted_al_key, summarize
-from speculators_train.files import atomic_write_bytes, atomic_write_json
+from speculators_train.files import append_line, atomic_write_bytes, atomic_write_json, to_json
 from speculators_train.hidden_states.generator import process_chunk
 from speculators_train.loading import read_json
 from speculators_train.osd.ingest import IngestStats, LogIngestor
@@ -363,10 +363,8 @@ class OnlineDistiller:
             self.progress["trainee"] = updates
         self.progress["consumed"] += len(entries)
         self.progress["records_seen"] = record["records_seen"]
-        with open(self.root / "history.jsonl", "a") as fh:  # before the commit: a restart drops it unless committed
-            fh.write(json.dumps(record) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        # before the commit: a restart drops it unless committed
+        append_line(self.root / "history.jsonl", to_json(record) + "\n", sync=True)
         self.progress["history_lines"] += 1
         atomic_write_json(self.root / "progress.json", self.progress)
         return record

@@ -8,7 +8,6 @@ with weights_only=True (never unpickling code), and a JSON trainer state with th
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 from speculators_train.families.drafts import read_pointer, save_draft
-from speculators_train.files import atomic_write_json, writing
+from speculators_train.files import atomic_write_json, to_json, writing
 from speculators_train.loading import load_torch_state, read_json_object
 
 
@@ -41,7 +40,7 @@ def save_checkpoint(
         save_draft(tmp, draft)
         if optimizer_state is not None:
             torch.save(optimizer_state, tmp / "optimizer.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        (tmp / "trainer_state.json").write_text(to_json(state, indent=2))
     old = root / f".step-{step:06d}.old-{os.getpid()}"
     if final.exists():
         os.replace(final, old)

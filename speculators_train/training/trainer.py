@@ -22,7 +22,7 @@ from speculators_train.errors import UserError
 from speculators_train.families.base import Family
 from speculators_train.families.drafts import check_fits, latest_checkpoint, load_draft, load_weights, read_pointer
 from speculators_train.families.objective import Objective, Sums, predicted_al_key, summarize
-from speculators_train.files import atomic_write_bytes, atomic_write_json
+from speculators_train.files import append_line, atomic_write_bytes, atomic_write_json, to_json
 from speculators_train.loading import reading
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
@@ -293,8 +293,7 @@ class Trainer:
     def _log(self, record: dict[str, Any]) -> None:
         if self.acc.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.run_dir / "metrics.jsonl", "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+            append_line(self.run_dir / "metrics.jsonl", to_json(record) + "\n")
             if self.wandb is not None:
                 self.wandb.log(record, step=record["step"])
 
@@ -326,6 +325,8 @@ class Trainer:
         """Validate on the held-out split; a better predicted acceptance length is checkpointed as the best.
         Returns whether this step was just saved."""
         metrics = self.validate()
+        for key, value in metrics.items():
+            self._refuse_non_finite(f"held-out {key}", value)
         # Saved with the checkpoint (a family may build its tree from them); the step says they are current.
         self.state["held_out"], self.state["held_out_step"] = metrics, self.state["step"]
         key = self.al_key
@@ -386,6 +387,7 @@ class Trainer:
                     "loss": self.acc.reduce(torch.stack(losses).mean(), reduction="mean").item(),
                     "tokens_per_s": rate,
                 }
+                self._refuse_non_finite("training loss", record["loss"])
                 if state["step"] % cfg.log_every_steps == 0 or state["step"] == self.total_steps:
                     summary = summarize(self._sum(sums), self.steps)
                     record.update({f"train/{k}": v for k, v in summary.items() if "acc" in k or k == "vocab_coverage"})
@@ -421,6 +423,18 @@ class Trainer:
             self._evaluate()
         if self._saved != self._position():
             self._save()
+
+    def _refuse_non_finite(self, what: str, value: float) -> None:
+        """Stop at the first NaN or inf (every rank sees the same reduced value, so all stop together): nothing
+        after the last checkpoint is saved, logged as best or exported."""
+        if math.isfinite(value):
+            return
+        last = latest_checkpoint(self.ckpt_dir) if self.ckpt_dir.is_dir() else None
+        kept = f"the last good checkpoint is {last}" if last is not None else "no checkpoint was saved yet"
+        raise UserError(
+            f"step {self.state['step']}: the {what} is {value}: training stopped and saved nothing after it; {kept}. "
+            "Lower training.learning_rate or training.max_grad_norm, or check the data, then rerun to resume"
+        )
 
     def _position(self) -> str:
         """Where the run stands (step, data position, last validation): equal positions need no second save."""

@@ -17,6 +17,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from speculators_train.errors import UserError
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft
 from speculators_train.files import atomic_write_bytes
@@ -118,6 +119,9 @@ def shape_of(recipe: Recipe, loaded: LoadedDraft) -> tuple[str, int, TreeSpec | 
     its family's `draft_tokens` per step)."""
     ev, family, draft = recipe.eval, loaded.family, loaded.draft
     if ev.mode == "tree":
+        vocab = getattr(getattr(draft, "config", None), "draft_vocab_size", None)
+        if vocab is not None and ev.tree.top_k > vocab:
+            raise UserError(f"eval.tree.top_k {ev.tree.top_k}: the draft at {loaded.path} proposes from {vocab} tokens")
         tree = family.tree(draft, ev.tree, loaded.path)
         depth = max(map(len, tree.paths)) if tree.paths is not None else tree.depth
         return tree.describe(), depth, tree

@@ -204,3 +204,47 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_resumes_exactly(tmp_pat
     code, err = run_cli(["train", recipe], capsys)
     assert code == 0, err
     assert curve(tmp_path) == pytest.approx(expected, rel=1e-6)
+
+
+def strict(line: str) -> dict:
+    """One JSON line as a strict reader takes it: `NaN` and `Infinity` are not JSON."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"non-JSON constant {constant}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_a_loss_that_is_not_a_number_stops_the_run_and_nothing_poisoned_is_kept(tmp_path, states, capsys):
+    """A learning rate this large overflows the weights after step 1: the run stops at the first non-finite loss,
+    names the last good checkpoint, logs strict JSON, and neither export nor verify takes a poisoned draft."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    recipe = run_dir(tmp_path, states, learning_rate=1e30, save_every_steps=1, eval_every_steps=None)
+    text = clean_error(["train", recipe], capsys, "the training loss is", "training stopped and saved nothing after it")
+    checkpoints = tmp_path / "run" / "train" / "checkpoints"
+    assert f"the last good checkpoint is {checkpoints / 'step-000001'}" in text, text
+    assert not (checkpoints / "best.json").exists()
+    for weights in checkpoints.glob("step-*/model.safetensors"):
+        assert all(torch.isfinite(t).all() for t in load_file(weights).values()), weights
+    lines = (tmp_path / "run" / "train" / "metrics.jsonl").read_text().splitlines()
+    assert [strict(line)["step"] for line in lines] == [1]
+
+    weights = checkpoints / "step-000001" / "model.safetensors"
+    tensors = load_file(weights)
+    name = next(k for k in sorted(tensors) if tensors[k].is_floating_point())
+    tensors[name][0] = float("nan")
+    save_file(tensors, weights)
+    out = tmp_path / "export"
+    clean_error(["export", recipe, "--checkpoint", checkpoints, "--out", out], capsys, name, "non-finite values")
+    assert not out.exists()
+    clean_error(["verify", recipe, "--draft", checkpoints], capsys, name, "non-finite values")
+
+
+def test_wandb_online_without_a_key_is_one_line(tmp_path, states, capsys, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc holding a key
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    recipe = run_dir(tmp_path, states, wandb={"mode": "online"})
+    clean_error(["train", recipe], capsys, "training.wandb.mode 'online'", "set training.wandb.mode: offline")
