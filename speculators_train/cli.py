@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -14,8 +13,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from speculators_train.data.conversations import SkipReport
-from speculators_train.errors import UserError, os_error
+from speculators_train.errors import UserError, interrupted, os_error, terminate_like_interrupt
+from speculators_train.files import to_json
 from speculators_train.recipe import Recipe, load_recipe
+from speculators_train.runlock import exclusive
 from speculators_train.schema import parse_overrides
 
 console = Console(stderr=True)
@@ -36,7 +37,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     splits = load_splits(_recipe(args))
     counts = {"train": len(splits.train), "held_out": len(splits.held_out), "skipped": splits.report.counts}
-    print(json.dumps(counts))
+    print(to_json(counts))
     for line in splits.report.lines():
         console.print(line, markup=False, highlight=False)
     return 0
@@ -46,7 +47,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from speculators_train.hidden_states.generator import generate
 
     recipe = _recipe(args)
-    manifest = generate(recipe)
+    with exclusive(recipe.hidden_states_dir, "generate"):
+        manifest = generate(recipe)
     if manifest:
         _report_generation(recipe, manifest)
     return 0
@@ -87,8 +89,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from speculators_train.training.trainer import Trainer
 
     recipe = _recipe(args)
-    trainer = Trainer(recipe)
-    metrics = trainer.train()
+    with exclusive(recipe.run_dir / "train", "train"):
+        trainer = Trainer(recipe)
+        metrics = trainer.train()
     if trainer.acc.is_main_process:
         _report_training(trainer, metrics)
     return 0
@@ -105,7 +108,7 @@ def _report_training(trainer, metrics: dict[str, float]) -> None:
         table.add_row(str(i), *(f"{metrics[key(name, i)]:.3f}" for name in family.columns))
     console.print(table)
     console.print(f"predicted acceptance length at {trainer.al_depth} draft tokens: {metrics[trainer.al_key]:.2f}")
-    print(json.dumps({"step": trainer.state["step"], "tokens": trainer.state["tokens"], **metrics}))
+    print(to_json({"step": trainer.state["step"], "tokens": trainer.state["tokens"], **metrics}))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -117,7 +120,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     out_dir, records = verify(recipe, draft, Path(args.out) if args.out else None)
     print(markdown(records))
     for record in records:
-        print(json.dumps({k: v for k, v in record.items() if k != "per_prompt_acceptance_length"}))
+        print(to_json({k: v for k, v in record.items() if k != "per_prompt_acceptance_length"}))
     console.print(f"results, recipe and plot: {out_dir}")
     return 0
 
@@ -145,11 +148,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_osd(args: argparse.Namespace) -> int:
     """Ingest production logs exactly once; unless --ingest-only, score, distil and promote (polling with --watch)."""
-    import time
-
-    from speculators_train.osd.ingest import IngestStats, LogIngestor
-    from speculators_train.osd.redact import Redactor
-
     recipe = _recipe(args)
     cfg = recipe.osd
     logs = args.logs or cfg.logs
@@ -157,6 +155,17 @@ def cmd_osd(args: argparse.Namespace) -> int:
         raise UserError(f"{recipe.source_path}: no logs directory: pass --logs DIR or set osd.logs")
     logs_dir = Path(logs) if args.logs else recipe.resolve_path(logs, "osd.logs", directory=True)
     root = recipe.run_dir / "osd"
+    with exclusive(root, "osd"):
+        return _osd(args, recipe, logs_dir, root)
+
+
+def _osd(args: argparse.Namespace, recipe: Recipe, logs_dir: Path, root: Path) -> int:
+    import time
+
+    from speculators_train.osd.ingest import IngestStats, LogIngestor
+    from speculators_train.osd.redact import Redactor
+
+    cfg = recipe.osd
     distiller = None
     if not args.ingest_only:
         from speculators_train.osd.distill import OnlineDistiller
@@ -245,6 +254,7 @@ def _error(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    terminate_like_interrupt()
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -265,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         _error(os_error(exc))
         code = 2
-    except KeyboardInterrupt:
-        console.print("interrupted: rerun the same command to resume")
-        code = 130
+    except KeyboardInterrupt as exc:
+        message, code = interrupted(exc)
+        console.print(message)
     sys.exit(code)

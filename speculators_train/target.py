@@ -511,6 +511,12 @@ def load_target(cfg: TargetConfig) -> Target:
             f"could not load target {cfg.name_or_path!r}: its weights lack {len(missing)} tensors of the model "
             f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
         )
+    if unexpected := sorted(info["unexpected_keys"]):  # e.g. a config.json that names fewer layers than the weights
+        raise UserError(
+            f"could not load target {cfg.name_or_path!r}: its weights hold {len(unexpected)} tensors its config.json "
+            f"does not describe ({', '.join(unexpected[:3])}{', ...' if len(unexpected) > 3 else ''}); the config "
+            "and the weights are of different models"
+        )
     model.to(device).eval().requires_grad_(False)
     num_layers = len(model.get_decoder().layers)
     ids = cfg.aux_layer_ids or default_aux_layer_ids(num_layers)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from speculators_train.errors import UserError
 from speculators_train.recipe import Recipe
 
 
@@ -15,13 +16,19 @@ def init_wandb(recipe: Recipe, directory: Path, suffix: str = "", run_id: str | 
     import wandb
 
     directory.mkdir(parents=True, exist_ok=True)
-    return wandb.init(
-        project=cfg.project,
-        entity=cfg.entity,
-        name=(cfg.run_name or recipe.name) + suffix,
-        id=run_id,
-        mode=cfg.mode,
-        dir=str(directory),
-        config=recipe.model_dump(mode="json"),
-        resume="allow",
-    )
+    try:
+        return wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            name=(cfg.run_name or recipe.name) + suffix,
+            id=run_id,
+            mode=cfg.mode,
+            dir=str(directory),
+            config=recipe.model_dump(mode="json"),
+            resume="allow",
+        )
+    except wandb.errors.Error as exc:  # no API key, no network, a project the key cannot write
+        raise UserError(
+            f"training.wandb.mode {cfg.mode!r}: wandb refused the run: {exc} Log in (`wandb login` or "
+            "WANDB_API_KEY), or set training.wandb.mode: offline (synced later with `wandb sync`)"
+        ) from None

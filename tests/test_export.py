@@ -230,7 +230,7 @@ def test_sglang_refuses_a_draft_it_would_run_wrong_and_writes_nothing(tmp_path, 
     checkpoint = save_checkpoint(tmp_path / "ckpt", 1, model, None, {"step": 1}, keep_last=1)
     with pytest.raises(UserError, match="norm_before_residual is true, but SGLang"):
         export(recipe, checkpoint, "sglang", tmp_path / "out")
-    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp*"))
     assert export(recipe, checkpoint, "speculators", tmp_path / "out").path.is_dir()  # vLLM reads the flag
 
 
@@ -257,8 +257,9 @@ def test_export_against_another_target_names_the_mismatch_and_never_overwrites_w
     with pytest.raises(UserError, match="already exists; pass --force"):
         export(recipe, checkpoint, "speculators", out)
     assert (out / "mine.txt").read_text() == "keep"
-    export(recipe, checkpoint, "speculators", out, force=True)
-    assert not (out / "mine.txt").exists() and (out / "config.json").is_file()
+    with pytest.raises(UserError, match="is not an export of this toolkit; --force replaces only a previous export"):
+        export(recipe, checkpoint, "speculators", out, force=True)
+    assert (out / "mine.txt").read_text() == "keep"
 
 
 def test_export_command_prints_the_serve_line_and_the_card_reports_measured_acceptance(tmp_path, capsys, setup):

@@ -8,8 +8,8 @@ existing <out> is replaced only when asked (`--force`).
 
 from __future__ import annotations
 
-import json
 import os
+import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +20,13 @@ from safetensors.torch import save_file
 from speculators_train import __version__
 from speculators_train.errors import UserError
 from speculators_train.families.base import LoadedDraft
-from speculators_train.families.drafts import check_fits, load_draft
+from speculators_train.families.drafts import check_fits, load_draft, refuse_non_finite
 from speculators_train.families.layouts import DTYPES
+from speculators_train.files import to_json
 from speculators_train.hidden_states.shards import MANIFEST
 from speculators_train.loading import read_json, read_json_object, reading
 from speculators_train.recipe import Recipe
+from speculators_train.runlock import exclusive
 from speculators_train.target import describe_source, gguf_file, load_head_weights, resolve_source
 
 
@@ -145,6 +147,27 @@ def _replace(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def check_out(out: Path, reads: list[Path], force: bool) -> None:
+    """Refuse an output directory whose replacement would delete what the export reads (the checkpoint, the run,
+    the target) or a directory that is not an export: `--force` replaces a previous export, nothing else."""
+    real = out.resolve()
+    for read in map(Path.resolve, reads):
+        if _inside(read, real) or _inside(real, read):
+            how = "holds" if _inside(read, real) else "is inside"
+            raise UserError(f"--out {out}: it {how} {read}, which the export reads")
+    if not out.exists():
+        return
+    if not force:
+        raise UserError(f"{out} already exists; pass --force to replace it")
+    weights = [*out.glob("*.safetensors"), *out.glob("*.gguf")] if out.is_dir() else []
+    if not ((out / "README.md").is_file() and weights):
+        raise UserError(f"--out {out} is not an export of this toolkit; --force replaces only a previous export")
+
+
 def export(
     recipe: Recipe,
     checkpoint: Path | None = None,
@@ -160,12 +183,22 @@ def export(
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: expected one of {sorted(DTYPES)}")
     out = out or recipe.run_dir / "export" / fmt
-    if out.exists() and not force:
-        raise UserError(f"{out} already exists; pass --force to replace it")
     source, hub_id = resolve_source(recipe.target)
+    checkpoint_dir = checkpoint or recipe.run_dir / "train" / "checkpoints"
+    local_target = [Path(source)] if Path(source).exists() else []
+    reads = [checkpoint_dir, recipe.hidden_states_dir, recipe.run_dir / "train", *local_target]
+    check_out(out, reads, force)
+    with exclusive(out, "export"):  # after the checks, so a refused --out gets no lock file beside it
+        check_out(out, reads, force)  # again: another export may have finished meanwhile
+        return _export(recipe, out, fmt, dtype, source, hub_id, checkpoint_dir)
+
+
+def _export(
+    recipe: Recipe, out: Path, fmt: str, dtype: str, source: str, hub_id: str | None, checkpoint_dir: Path
+) -> Exported:
     target_config, head = load_head_weights(recipe.target)
     num_layers = target_config.num_hidden_layers
-    loaded = load_draft(checkpoint or recipe.run_dir / "train" / "checkpoints", num_layers)
+    loaded = load_draft(checkpoint_dir, num_layers)
     check_fits(loaded, target_config.hidden_size, target_config.vocab_size, num_layers)
     family, draft = loaded.family, loaded.draft
     family.attach_target(draft, head["embed"], loaded.has_embedding)
@@ -182,10 +215,10 @@ def export(
         target_gguf = gguf_file(recipe.target)
         if target_gguf is None:
             served = f"{Path(source).name}.gguf"
-            notes.append(
-                f"the target is not a GGUF file: make {served} once with llama.cpp's converter "
-                f"(python {llamacpp_converter()} {source} --outfile {served} --outtype bf16)"
+            make = shlex.join(
+                ["python", str(llamacpp_converter()), str(source), "--outfile", served, "--outtype", "bf16"]
             )
+            notes.append(f"the target is not a GGUF file: make {served} once with llama.cpp's converter ({make})")
         else:
             served = str(target_gguf)
     if hub_id is None and not recipe.export.verifier:
@@ -197,13 +230,14 @@ def export(
     commands = layout.commands(out, served, recipe.eval, k)
     architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
     config, weights = layout.write(draft, dtype, verifier, architectures, k)
+    refuse_non_finite(weights, f"{loaded.path} in {dtype}")  # float16 overflows past 65504
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "config.json").write_text(to_json(config, indent=2) + "\n")
         save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
         umask = os.umask(0)
         os.umask(umask)

@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import json
 import math
+import shlex
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,7 @@ def proposal_config(
 
 def vllm_serve(verifier: str, speculative_config: dict[str, Any]) -> str:
     """The `vllm serve` line for a layout's `vllm_speculative_config` (the offline `LLM(...)` takes the same dict)."""
-    return f"vllm serve {verifier} --speculative-config '{json.dumps(speculative_config)}'"
+    return f"vllm serve {shlex.quote(verifier)} --speculative-config {shlex.quote(json.dumps(speculative_config))}"
 
 
 def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:

@@ -169,6 +169,8 @@ def load_suite(path: Path, recipe: Recipe, target, num_prompts: int | None = Non
     by `target`: anything with `.tokenizer`, `.model` and `.name_or_path`)."""
     cfg = load_yaml_model(path, SuiteConfig, "eval suite")
     tokenizer = target.tokenizer
+    if not getattr(tokenizer, "chat_template", None):  # every prompt is rendered as the target's chat
+        raise UserError(f"target {target.name_or_path}: its tokenizer has no chat template to render {path}'s prompts")
     if cfg.source == "mt-bench":
         return load_mt_bench(path, cfg, recipe, target, num_prompts or cfg.num_prompts)
     train_ids: set[str] = set()

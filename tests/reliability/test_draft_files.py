@@ -865,3 +865,27 @@ def test_a_damaged_gguf_target_is_refused_in_one_line(tmp_path, capsys, base, co
     recipe = make_recipe(tmp_path / "r", sources, target={"name_or_path": str(gguf)})
     argv = ["export", recipe, "--checkpoint", base["ckpt"], "--out", tmp_path / "out"]
     clean_error(argv, capsys, f"could not read GGUF file {gguf}")
+
+
+def test_a_target_config_naming_fewer_layers_than_its_weights_is_refused(tmp_path, capsys, base):
+    """transformers loads such a target truncated (and says so only in a log line): it would be used silently."""
+    config = json.loads((Path(resolve_source(TargetConfig())[0]) / "config.json").read_text())
+    config["num_hidden_layers"] -= 2
+    files = {**TOKENIZER, "config.json": json.dumps(config), "model.safetensors": REAL}
+    recipe, target = target_recipe(tmp_path, files)
+    clean_error(
+        ["verify", recipe, "--draft", base["ckpt"]], capsys, f"could not load target '{target}'",
+        "tensors its config.json does not describe",
+    )  # fmt: skip
+
+
+def test_a_target_tokenizer_without_a_chat_template_is_refused_by_verify(tmp_path, capsys, base):
+    real = Path(resolve_source(TargetConfig())[0])
+    tokenizer_config = json.loads((real / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    files = {
+        "tokenizer.json": REAL, "tokenizer_config.json": json.dumps(tokenizer_config), "config.json": REAL,
+        "model.safetensors": REAL,
+    }  # fmt: skip
+    recipe, target = target_recipe(tmp_path, files)
+    clean_error(["verify", recipe, "--draft", base["ckpt"]], capsys, f"target {target}", "has no chat template")

@@ -286,7 +286,7 @@ class SGLangLayout(Layout):
         else:
             steps, topk, tokens = k, 1, k + 1
         return [
-            f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 "
+            f"python -m sglang.launch_server --model-path {shlex.quote(verifier)} --speculative-algorithm EAGLE3 "
             f"--speculative-draft-model-path {shlex.quote(str(out))} --speculative-num-steps {steps} "
             f"--speculative-eagle-topk {topk} --speculative-num-draft-tokens {tokens}"
         ]
