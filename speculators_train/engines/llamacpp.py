@@ -19,8 +19,6 @@ draft position (from /metrics, before and after the request).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -34,11 +32,12 @@ import tarfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from filelock import FileLock
 
 from speculators_train import children
 from speculators_train.errors import UserError
@@ -78,17 +77,11 @@ def home() -> Path:
     return cache_root() / "llama.cpp" / f"{version()}-{platform.machine()}"
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def _locked(path: Path) -> FileLock:
     """One builder at a time (two test processes, or two users of one cache); the second waits, then finds the
     finished build."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    return FileLock(path)
 
 
 def _run(cmd: list[str], logfile: Path, what: str) -> None:
