@@ -44,12 +44,14 @@ def main() -> None:
         (Path(tmp) / "hidden_states").symlink_to(states)
         recipe = load_recipe(args.recipe, {**overrides, "output_dir": tmp, "training.wandb.mode": "disabled"})
         trainer = Trainer(recipe)
-        model, device = trainer.model, trainer.acc.device
+        model, device = trainer.model, trainer.accelerator.device
         batches = (batch for batch, _ in trainer.source.epoch(0, None))
 
         def step() -> int:
             batch = next(batches)
-            train_step(trainer.acc, model, trainer.optimizer, trainer._to_device(batch), recipe.training.max_grad_norm)
+            train_step(
+                trainer.accelerator, model, trainer.optimizer, trainer._to_device(batch), recipe.training.max_grad_norm
+            )
             return int(batch["lengths"].sum())
 
         for _ in range(2):
@@ -72,7 +74,7 @@ def main() -> None:
         "batch_size": recipe.training.batch_size,
         "max_length": recipe.data.max_length,
         "draft": recipe.draft.model_dump(),
-        "precision": trainer.acc.mixed_precision,
+        "precision": trainer.accelerator.mixed_precision,
         "tokens": tokens,
         "tokens_per_s": tokens / seconds,
         "seconds_per_step": seconds / args.steps,

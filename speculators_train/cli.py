@@ -92,7 +92,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     with exclusive(recipe.run_dir / "train", "train"):
         trainer = Trainer(recipe)
         metrics = trainer.train()
-    if trainer.acc.is_main_process:
+    if trainer.accelerator.is_main_process:
         _report_training(trainer, metrics)
     return 0
 

@@ -156,7 +156,7 @@ class OnlineDistiller:
         t = self.target
         self.head = TargetHead.from_target(t).to(next(t.model.parameters()).device)
         self.scorer = Scorer(self.family, self.head, recipe.draft, recipe.eval.num_speculative_tokens)
-        self.acc = accelerator(recipe, distributed=False)
+        self.accelerator = accelerator(recipe, distributed=False)
         progress = self.root / "progress.json"
         self.progress = read_json(progress, "OSD progress") if progress.is_file() else None
         if self.progress is None:
@@ -379,7 +379,7 @@ class OnlineDistiller:
         objective.train()
         for _ in range(cfg.steps_per_update):
             batch = on_device(collate(self.buffer.batch(cfg.batch_size, self.rng)), self.head)
-            train_step(self.acc, objective, self.optimizer, batch, self.recipe.training.max_grad_norm)
+            train_step(self.accelerator, objective, self.optimizer, batch, self.recipe.training.max_grad_norm)
         candidate.eval()
         acceptance = self.scorer.acceptance
         old = (acceptance(self.draft, self.held_out), self._general(self.draft))

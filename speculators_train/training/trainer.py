@@ -109,17 +109,19 @@ class Trainer:
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
         self.cfg = recipe.training
-        self.acc = accelerator(recipe)
+        self.accelerator = accelerator(recipe)
         self.family = families.get(recipe.draft.family)
         torch.manual_seed(recipe.seed)
         random.seed(recipe.seed)
-        world, rank = self.acc.num_processes, self.acc.process_index
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
         if recipe.generation.hidden_states == "offline":
             self.source = OfflineSource(recipe, world, rank)
         else:
             self.source = OnlineSource(recipe, load_target(recipe.target), world, rank, self._min_across_ranks)
         target_config, weights = load_head_weights(recipe.target)
-        held_out = int(self.acc.reduce(torch.tensor(len(self.source.held_out), device=self.acc.device), "sum"))
+        held_out = int(
+            self.accelerator.reduce(torch.tensor(len(self.source.held_out), device=self.accelerator.device), "sum")
+        )
         if held_out == 0:
             raise UserError(
                 f"{recipe.source_path}: the held-out split has no samples, so nothing can be validated "
@@ -146,8 +148,8 @@ class Trainer:
         if self.cfg.select is not None:
             # Scored with the draft as it starts (every rank alike), so a resumed run selects the same samples.
             started = time.perf_counter()
-            objective.to(self.acc.device)
-            kept = select(self.cfg.select, objective, self.source.train, recipe.seed, self.acc.device)
+            objective.to(self.accelerator.device)
+            kept = select(self.cfg.select, objective, self.source.train, recipe.seed, self.accelerator.device)
             self.source.restrict(kept)
             self.state["select_seconds"] = time.perf_counter() - started
             log.info("training.select: %d of %d samples (%s)", len(kept), len(self.source.train), self.cfg.select.by)
@@ -169,7 +171,7 @@ class Trainer:
             self.scheduler = get_cosine_schedule_with_warmup(
                 opt, round(self.cfg.warmup_ratio * self.total_steps), self.total_steps
             )
-        self.model, self.optimizer = self.acc.prepare(objective, opt)
+        self.model, self.optimizer = self.accelerator.prepare(objective, opt)
         self.run_dir = recipe.run_dir / "train"
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.wandb = None
@@ -189,26 +191,26 @@ class Trainer:
 
     def _max_across_ranks(self, value: float) -> float:
         """Ranks' clocks differ; the time budget must stop them all at the same step."""
-        if self.acc.num_processes == 1:
+        if self.accelerator.num_processes == 1:
             return value
         import torch.distributed as dist
 
-        tensor = torch.tensor(value, device=self.acc.device, dtype=torch.float64)
+        tensor = torch.tensor(value, device=self.accelerator.device, dtype=torch.float64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return float(tensor)
 
     def _min_across_ranks(self, value: int) -> int:
-        if self.acc.num_processes == 1:
+        if self.accelerator.num_processes == 1:
             return value
         import torch.distributed as dist
 
-        tensor = torch.tensor(value, device=self.acc.device)
+        tensor = torch.tensor(value, device=self.accelerator.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
         return int(tensor)
 
     @property
     def draft(self) -> torch.nn.Module:
-        objective: Objective = self.acc.unwrap_model(self.model)
+        objective: Objective = self.accelerator.unwrap_model(self.model)
         return objective.draft
 
     def _resume(self) -> None:
@@ -243,27 +245,27 @@ class Trainer:
         self._saved = self._position()
         # A kill between a checkpoint and its best.json leaves the pointer behind the state that names the best.
         best = state["best"]
-        if self.acc.is_main_process and best is not None and read_pointer(self.ckpt_dir / "best.json") != best:
+        if self.accelerator.is_main_process and best is not None and read_pointer(self.ckpt_dir / "best.json") != best:
             atomic_write_json(self.ckpt_dir / "best.json", best)
         log.info(
             "resuming from %s (step %d, epoch %d, position %s)", path, state["step"], state["epoch"], state["position"]
         )
 
     def _save(self) -> None:
-        self.acc.wait_for_everyone()
+        self.accelerator.wait_for_everyone()
         optimizer_state = {"scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
         if self.cfg.deepspeed is not None:
             optimizer_state["zero"] = zero.gather(self.model.optimizer, self._trainable())  # every rank takes part
         else:
             optimizer_state["optimizer"] = self.optimizer.state_dict()
         self._saved = self._position()
-        if self.acc.is_main_process:
+        if self.accelerator.is_main_process:
             ckpt.save_checkpoint(
                 self.ckpt_dir, self.state["step"], self.draft, optimizer_state, self.state, self.cfg.keep_last
             )
             if self.state["best"] is not None and self.state["best"]["step"] == self.state["step"]:
                 atomic_write_json(self.ckpt_dir / "best.json", self.state["best"])
-        self.acc.wait_for_everyone()
+        self.accelerator.wait_for_everyone()
 
     def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(name, p) for name, p in self.draft.named_parameters() if p.requires_grad]
@@ -274,7 +276,7 @@ class Trainer:
         last checkpoint is redone and logged again. Training lines are covered up to the checkpoint's step,
         validation lines up to the step it last validated."""
         path = self.run_dir / "metrics.jsonl"
-        if not self.acc.is_main_process or not path.is_file():
+        if not self.accelerator.is_main_process or not path.is_file():
             return
         covered = {"train": self.state["step"], "val": self.state.get("held_out_step", self.state["step"])}
         kept = []
@@ -291,7 +293,7 @@ class Trainer:
         atomic_write_bytes(path, "".join(kept).encode())
 
     def _log(self, record: dict[str, Any]) -> None:
-        if self.acc.is_main_process:
+        if self.accelerator.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             append_line(self.run_dir / "metrics.jsonl", to_json(record) + "\n")
             if self.wandb is not None:
@@ -300,7 +302,7 @@ class Trainer:
     def _sum(self, sums: Sums) -> dict[str, list[float]]:
         """[numerator, denominator] per key, summed over ranks (every rank passes the same keys)."""
         keys = sorted(sums)
-        stacked = self.acc.reduce(torch.stack([sums[k] for k in keys]), reduction="sum")
+        stacked = self.accelerator.reduce(torch.stack([sums[k] for k in keys]), reduction="sum")
         return dict(zip(keys, stacked.tolist(), strict=True))
 
     @torch.no_grad()
@@ -308,7 +310,7 @@ class Trainer:
         """Held-out metrics summed over this rank's samples, then over ranks (every rank reduces, even with none)."""
         self.model.eval()
         held_out = self.source.held_out  # this rank's share
-        zero = torch.zeros(2, device=self.acc.device)
+        zero = torch.zeros(2, device=self.accelerator.device)
         sums = dict.fromkeys(self.metric_keys, zero)
         for k in range(0, len(held_out), self.cfg.batch_size):
             batch = collate([held_out[i] for i in range(k, min(k + self.cfg.batch_size, len(held_out)))])
@@ -319,7 +321,7 @@ class Trainer:
         return summarize(self._sum(sums), self.al_depth)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.acc.device, non_blocking=True) for k, v in batch.items()}
+        return {k: v.to(self.accelerator.device, non_blocking=True) for k, v in batch.items()}
 
     def _evaluate(self) -> bool:
         """Validate on the held-out split; a better predicted acceptance length is checkpointed as the best.
@@ -343,14 +345,14 @@ class Trainer:
         Returns the held-out metrics of the last step (a rerun of a finished run returns them again)."""
         cfg, state = self.cfg, self.state
         self.wandb = self._init_wandb()
-        if self.acc.is_main_process:
+        if self.accelerator.is_main_process:
             write_run_info(self.run_dir, self.recipe.model_dump(mode="json"))
         self._trim_log()
         bar = tqdm(
             total=self.total_steps,
             initial=state["step"],
             unit="step",
-            disable=not self.acc.is_main_process,
+            disable=not self.accelerator.is_main_process,
             desc="train",
         )
         sums: Sums = {}
@@ -362,14 +364,14 @@ class Trainer:
             for batch, position in self.source.epoch(state["epoch"], state["position"]):
                 # 1) forward + loss, backward; clip and step once per accumulated group
                 loss, step_metrics = train_step(
-                    self.acc, self.model, self.optimizer, self._to_device(batch), cfg.max_grad_norm
+                    self.accelerator, self.model, self.optimizer, self._to_device(batch), cfg.max_grad_norm
                 )
                 losses.append(loss)
                 for key, value in step_metrics.items():
                     sums[key] = sums.get(key, 0) + value
                 tokens += int(batch["lengths"].sum())
                 state["position"] = position
-                if not self.acc.sync_gradients:
+                if not self.accelerator.sync_gradients:
                     continue
                 # 2) bookkeeping of one optimizer step
                 seconds = time.perf_counter() - started
@@ -378,13 +380,13 @@ class Trainer:
                 )
                 self.scheduler.step()
                 state["step"] += 1
-                state["tokens"] += tokens * self.acc.num_processes
-                rate = tokens * self.acc.num_processes / seconds
+                state["tokens"] += tokens * self.accelerator.num_processes
+                rate = tokens * self.accelerator.num_processes / seconds
                 record = {
                     "step": state["step"],
                     "epoch": state["epoch"],
                     "lr": self.scheduler.get_last_lr()[0],
-                    "loss": self.acc.reduce(torch.stack(losses).mean(), reduction="mean").item(),
+                    "loss": self.accelerator.reduce(torch.stack(losses).mean(), reduction="mean").item(),
                     "tokens_per_s": rate,
                 }
                 self._refuse_non_finite("training loss", record["loss"])
@@ -442,4 +444,4 @@ class Trainer:
         return json.dumps({k: self.state.get(k) for k in keys}, sort_keys=True)
 
     def _init_wandb(self):
-        return init_wandb(self.recipe, self.run_dir) if self.acc.is_main_process else None
+        return init_wandb(self.recipe, self.run_dir) if self.accelerator.is_main_process else None
