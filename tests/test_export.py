@@ -69,7 +69,7 @@ def setup(tmp_path, draft):
 def test_speculators_library_loads_our_export_and_computes_the_same_draft_logits(tmp_path, target, norms):
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    from speculators_train.target import resolve_source
+    from speculators_train.sources import resolve_source
 
     draft = random_draft(target, **norms)
     recipe = load_recipe(make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]))

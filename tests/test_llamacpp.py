@@ -16,7 +16,7 @@ from speculators_train.families.drafts import load_draft
 from speculators_train.families.eagle3.gguf import draft_args
 from speculators_train.families.vocab import draft_to_target
 from speculators_train.recipe import load_recipe
-from speculators_train.target import resolve_source
+from speculators_train.sources import resolve_source
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.engine import f32_gguf, first_divergence, record, settings
 

@@ -228,7 +228,7 @@ def test_speculators_library_loads_our_peagle_export_and_computes_the_same_logit
     from speculators.losses import resolve_loss_config
     from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
 
-    from speculators_train.target import resolve_source
+    from speculators_train.sources import resolve_source
 
     draft = random_peagle(target, depths=4, norm_before_fc=norm_before_fc)
     recipe = load_recipe(

@@ -90,7 +90,7 @@ def test_llamacpp_regeneration_answers_each_turn_from_the_served_gguf(target, tm
     from speculators_train.data.regenerate import regenerate_llamacpp
     from speculators_train.engines import llamacpp
     from speculators_train.recipe import TargetConfig
-    from speculators_train.target import gguf_file, resolve_source
+    from speculators_train.sources import gguf_file, resolve_source
     from speculators_train.verify.engine import f32_gguf
 
     tok = target.tokenizer

@@ -7,7 +7,8 @@ import torch
 
 from speculators_train.errors import UserError
 from speculators_train.recipe import TargetConfig
-from speculators_train.target import NAMED_TARGETS, _package_dir, default_aux_layer_ids, load_target, resolve_source
+from speculators_train.sources import NAMED_TARGETS, _package_dir, resolve_source
+from speculators_train.target import default_aux_layer_ids, load_target
 
 
 def test_exposes_shape_template_and_default_ids(target):

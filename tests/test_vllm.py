@@ -139,7 +139,7 @@ def reference(target, tmp_path_factory):
     """vLLM's own target-only greedy output for the fitted prompt (one engine start for the module)."""
     from speculators_train.engines.vllm import Engine
     from speculators_train.recipe import TargetConfig
-    from speculators_train.target import resolve_source
+    from speculators_train.sources import resolve_source
 
     from .conftest import PROMPT
 

@@ -27,7 +27,8 @@ from speculators_train.hidden_states.shards import MANIFEST
 from speculators_train.loading import read_json, read_json_object, reading
 from speculators_train.recipe import Recipe
 from speculators_train.runlock import exclusive
-from speculators_train.target import describe_source, gguf_file, load_head_weights, resolve_source
+from speculators_train.sources import describe_source, gguf_file, resolve_source
+from speculators_train.target import load_head_weights
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from speculators_train.errors import UserError
 from speculators_train.schema import Section
@@ -23,10 +23,14 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from speculators_train.eval_config import EvalConfig, TreeConfig
     from speculators_train.families.objective import Objective
     from speculators_train.proposal import Proposer, TreeSpec
-    from speculators_train.recipe import EvalConfig, Recipe, TreeConfig
     from speculators_train.target import StateSpec, Target, TargetHead
+
+
+# The per-position losses a draft trains with and OSD distils with (`families/divergence.py` computes them).
+Divergence = Literal["ce", "forward_kl", "reverse_kl", "jsd", "tvd", "lk", "lk_hybrid"]
 
 
 class FamilySettings(Section):
@@ -39,8 +43,9 @@ class FamilySettings(Section):
     tree_shapes: ClassVar[tuple[str, ...]] = ("dynamic",)  # eval.tree.shape values its proposer grows
     fine_tunes: ClassVar[bool] = True  # whether training.init_from may name a draft of this family
 
-    def recipe_problems(self, recipe: Recipe) -> list[str]:
-        """Rules that tie this section to other sections of the recipe; each problem names the keys."""
+    def recipe_problems(self, recipe: Any) -> list[str]:
+        """Rules that tie this section to other sections of the loaded `Recipe` (not imported here: the recipe
+        imports the families); each problem names the keys."""
         return []
 
 

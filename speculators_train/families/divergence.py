@@ -17,11 +17,10 @@ q = p, except ce (H(p)).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-Divergence = Literal["ce", "forward_kl", "reverse_kl", "jsd", "tvd", "lk", "lk_hybrid"]
+from speculators_train.families.base import Divergence
+
 LK_ETA = 3.0  # the paper's best hybrid setting
 _TINY = 1e-12  # keeps log(0) finite where p has zeros (a softmax over a restricted vocab rarely does)
 

@@ -40,7 +40,8 @@ from speculators_train.hidden_states.shards import (
 from speculators_train.loading import open_tensors, read_json
 from speculators_train.recipe import Recipe, RegenerateConfig
 from speculators_train.runinfo import write_run_info
-from speculators_train.target import DTYPES, StateSpec, Target, gguf_file, load_target, resolve_source
+from speculators_train.sources import gguf_file, resolve_source
+from speculators_train.target import DTYPES, StateSpec, Target, load_target
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from speculators_train.errors import UserError
 from speculators_train.export.run import export
 from speculators_train.families.base import Layout, LoadedDraft
 from speculators_train.recipe import Recipe
-from speculators_train.target import resolve_source
+from speculators_train.sources import resolve_source
 from speculators_train.verify.engine import first_divergence
 from speculators_train.verify.report import quartiles
 from speculators_train.verify.suites import Suite

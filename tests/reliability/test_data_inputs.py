@@ -331,7 +331,7 @@ MEMORY_PROBE = textwrap.dedent(
     from speculators_train.data.conversations import Conversation, SkipReport
     from speculators_train.data.render import render
     from speculators_train.recipe import TargetConfig
-    from speculators_train.target import resolve_source
+    from speculators_train.sources import resolve_source
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_source(TargetConfig())[0])
     words = "The quick brown fox, 1234 jumps; over the lazy dog!\\n    Déjà vu 🙂 naïve ## ===".split(" ")

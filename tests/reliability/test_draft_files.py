@@ -26,7 +26,8 @@ from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.medusa.model import MedusaDraft
 from speculators_train.families.vocab import build_vocab_mapping
 from speculators_train.recipe import TargetConfig, load_recipe
-from speculators_train.target import load_head_weights, resolve_source
+from speculators_train.sources import resolve_source
+from speculators_train.target import load_head_weights
 from speculators_train.training.checkpoint import save_checkpoint
 
 from ..conftest import SHAREGPT, make_recipe

@@ -6,8 +6,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from speculators_train.families.base import FamilySettings
-from speculators_train.families.divergence import Divergence
+from speculators_train.families.base import Divergence, FamilySettings
 
 
 class Settings(FamilySettings):

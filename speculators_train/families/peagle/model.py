@@ -24,8 +24,7 @@ from torch import nn
 
 from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft, checked_config
 from speculators_train.families.layouts import int_field
-
-MAX_DEPTHS = 64
+from speculators_train.families.peagle.settings import MAX_DEPTHS
 
 
 @dataclass

@@ -6,9 +6,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from speculators_train.families.base import FamilySettings
-from speculators_train.families.divergence import Divergence
-from speculators_train.families.peagle.model import MAX_DEPTHS
+from speculators_train.families.base import Divergence, FamilySettings
+
+MAX_DEPTHS = 64  # draft tokens one forward may propose; a config past it is refused when read
 
 
 class Settings(FamilySettings):
