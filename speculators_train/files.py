@@ -116,12 +116,17 @@ def append_line(path: Path, line: str, sync: bool = False) -> None:
 
 
 def refuse_links(directory: Path) -> None:
-    """A stage directory may itself be a link (a run's states kept on another disk), but no file in it: reading
-    or rewriting a planted link would read or write outside the run."""
-    if directory.is_dir():
-        for path in directory.rglob("*"):
-            if path.is_symlink():
-                raise UserError(f"{path} is a symbolic link: a run directory's files are written in place; remove it")
+    """A stage directory may itself be a link (a run's states kept on another disk), and may hold links of its own
+    that stay inside it (OSD's `current -> versions/vNNNN`), but no link that leads out of it: reading or rewriting
+    a planted link would read or write outside the run."""
+    if not directory.is_dir():
+        return
+    root = directory.resolve()
+    for path in directory.rglob("*"):
+        if path.is_symlink() and root not in path.resolve().parents:
+            raise UserError(
+                f"{path} is a symbolic link out of {directory}: a run directory's files are written in place; remove it"
+            )
 
 
 def remove_stale_temporaries(directory: Path) -> int:

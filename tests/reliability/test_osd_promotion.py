@@ -22,9 +22,10 @@ from .conftest import REPO
 
 pytestmark = pytest.mark.slow
 
-# Runs the CLI and SIGKILLs it at the first os.replace / os.fsync / open whose path matches a pattern (argv: kind,
-# regex, then the CLI's arguments). A replace is seen as its destination, followed by " => " and the link's target
-# when it renames a symbolic link (how `current` is re-pointed); an fsync as the path of its file descriptor.
+# Runs the CLI and SIGKILLs it at the first os.replace / os.fsync / open (builtin or os.open) whose path matches a
+# pattern (argv: kind, regex, then the CLI's arguments). A replace is seen as its destination, followed by " => "
+# and the link's target when it renames a symbolic link (how `current` is re-pointed); an fsync as the path of its
+# file descriptor.
 KILLER = r"""
 import builtins, os, re, signal, sys
 
@@ -49,7 +50,8 @@ def dying(name, fn):
     return wrapped
 
 
-os.replace, os.fsync, builtins.open = dying("replace", os.replace), dying("fsync", os.fsync), dying("open", open)
+os.replace, os.fsync = dying("replace", os.replace), dying("fsync", os.fsync)
+builtins.open, os.open = dying("open", open), dying("open", os.open)
 from speculators_train.cli import main
 main(sys.argv[3:])
 """
