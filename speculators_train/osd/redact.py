@@ -71,7 +71,9 @@ UNESCAPE_LEVELS = 3
 class Rule:
     """One built-in redaction: its name, what it matches (in words), the label left in its place, and how it is found:
     regexes (a named group `keep` is kept before the label) or a function (text, label) -> text. `keywords`: lower-case
-    words one of which the text must hold for the regexes to run (a cheap gate for case-insensitive patterns)."""
+    words one of which the text must hold for the regexes to run (a cheap gate for case-insensitive patterns).
+    `gate`: a regex the text must match for the rule to run at all, one scan shared by every rule with the same
+    gate (patterns that start with a character class are tried at every position; most texts fail the gate)."""
 
     name: str
     matches: str
@@ -79,6 +81,12 @@ class Rule:
     patterns: tuple[str, ...] = ()
     keywords: tuple[str, ...] = ()
     function: Callable[[str, str], str] | None = None
+    gate: str | None = None
+
+
+# What the numeric rules (cards, IBANs, ids, phones, IPv4) all need: 8+ digits and separators in a row.
+_NUMBERS = r"[0-9][0-9 .()\-]{6,}[0-9]"
+_TOKEN_RUN = r"(?<![A-Za-z0-9_\-])[A-Za-z0-9_\-]{20}"  # what every service token holds (tried at run starts)
 
 
 # E-mails: found from each '@' that a local-part character precedes and that a domain with a 2+ letter suffix
@@ -166,7 +174,7 @@ def _ipv4(candidate: str) -> bool:
 
 def _ipv6(candidate: str) -> bool:
     """An IPv6 address with at least three groups written (so `std::` and `x[1::2]` are not addresses)."""
-    if sum(1 for group in candidate.split(":") if group) < 3:
+    if candidate.count(":") < 2 or sum(1 for group in candidate.split(":") if group) < 3:
         return False
     try:
         ipaddress.IPv6Address(candidate)
@@ -179,7 +187,7 @@ _CARD = re.compile(r"(?<![0-9])[0-9](?:[ \-]?[0-9]){12,18}(?![0-9])")
 _IBAN = re.compile(r"(?<![A-Za-z0-9])[A-Z]{2}[0-9]{2}(?: ?[A-Z0-9]){11,30}(?![A-Za-z0-9])")
 _PHONE = re.compile(r"(?<![\w+])\+[1-9][0-9 ().\-]{6,22}[0-9](?![0-9])")
 _IPV4 = re.compile(r"(?<![0-9.])(?:[0-9]{1,3}\.){3}[0-9]{1,3}(?!\.?[0-9])")
-_IPV6 = re.compile(r"(?<![0-9A-Fa-f:])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![0-9A-Fa-f:])")
+_IPV6 = re.compile(r"(?<![0-9A-Fa-f:])[0-9A-Fa-f:]{3,39}(?![0-9A-Fa-f:])")  # a run of hex digits and colons
 _KEY_BEGIN = re.compile(r"(?:-----)?BEGIN[A-Z0-9 ]{0,40}PRIVATE KEY(?: BLOCK)?(?:-----)?")
 _KEY_END = re.compile(r"-----END[A-Z0-9 ]{0,40}PRIVATE KEY(?: BLOCK)?-----")
 
@@ -199,9 +207,15 @@ def _redact_private_keys(text: str, label: str) -> str:
     return "".join([*out, text[done:]]) if out else text
 
 
+_IPV4_HINT = re.compile(r"\.[0-9]{1,3}\.[0-9]{1,3}\.")  # starts with a literal: found at C speed
+_IPV6_HINT = re.compile(r":[0-9A-Fa-f]{0,4}:[0-9A-Fa-f]{1,4}")
+
+
 def _ip_addresses(text: str, label: str) -> str:
-    text = _spans(_IPV4, _ipv4)(text, label) if "." in text else text
-    return _spans(_IPV6, _ipv6)(text, label) if "::" in text or text.count(":") >= 7 else text
+    """IPv4 and IPv6 addresses; the full scans (which start with a character class) run only on texts a literal-led
+    hint finds something in."""
+    text = _spans(_IPV4, _ipv4)(text, label) if _IPV4_HINT.search(text) else text
+    return _spans(_IPV6, _ipv6)(text, label) if _IPV6_HINT.search(text) else text
 
 
 def _cards(text: str, label: str) -> str:
@@ -257,6 +271,7 @@ RULES: tuple[Rule, ...] = (
             r"(?<![0-9a-z])[0-9a-z]{32}-us[0-9]{1,2}(?![0-9])",
             r"(?<![A-Za-z0-9])(?:AC|SK)[a-z0-9]{32}(?![A-Za-z0-9])",
         ),
+        gate=_TOKEN_RUN,
     ),
     Rule(
         "jwt",
@@ -368,8 +383,9 @@ RULES: tuple[Rule, ...] = (
         "payment card numbers: 13-19 digits (spaces, dashes) passing Luhn",
         "[CARD]",
         function=_cards,
+        gate=_NUMBERS,
     ),
-    Rule("iban", "IBANs passing the mod-97 check", "[IBAN]", function=_spans(_IBAN, _iban)),
+    Rule("iban", "IBANs passing the mod-97 check", "[IBAN]", function=_spans(_IBAN, _iban), gate=_NUMBERS),
     Rule(
         "national_id",
         "US social security numbers (123-45-6789) and UK National Insurance numbers (AB 12 34 56 C)",
@@ -378,6 +394,7 @@ RULES: tuple[Rule, ...] = (
             r"(?<![0-9\-])(?!000|666|9)[0-9]{3}-(?!00)[0-9]{2}-(?!0000)[0-9]{4}(?![0-9\-])",
             r"(?<![A-Za-z0-9])[A-CEGHJ-PR-TW-Z][A-CEGHJ-NPR-TW-Z] ?[0-9]{2} ?[0-9]{2} ?[0-9]{2} ?[A-D](?![A-Za-z0-9])",
         ),
+        gate=_NUMBERS,
     ),
     Rule(
         "phone",
@@ -385,9 +402,11 @@ RULES: tuple[Rule, ...] = (
         "[PHONE]",
         (r"(?<![0-9\-.])\(?[2-9][0-9]{2}\)?[ .\-][0-9]{3}[ .\-][0-9]{4}(?![0-9\-]|\.[0-9])",),
         function=_spans(_PHONE, _phone),
+        gate=_NUMBERS,
     ),
     Rule("ip_address", "IPv4 addresses, and IPv6 addresses of three or more groups", "[IP]", function=_ip_addresses),
 )
+_GATES = {rule.gate: re.compile(rule.gate) for rule in RULES if rule.gate is not None}
 
 _ESCAPE = re.compile(
     r"\\u([dD][89abAB][0-9a-fA-F]{2})\\u([dD][c-fC-F][0-9a-fA-F]{2})"  # a surrogate pair: one character
@@ -477,27 +496,33 @@ class Redactor:
     their look-alike characters folded."""
 
     def __init__(self, patterns: list[str], builtin: bool = True, hook: str | None = None) -> None:
-        steps: list[tuple[tuple[str, ...], Step]] = []
+        steps: list[tuple[tuple[str, ...], str | None, Step]] = []
         for rule in RULES if builtin else ():
             if rule.function is not None:
-                steps.append(((), lambda text, lowered, f=rule.function, label=rule.label: f(text, label)))
-            steps += [(rule.keywords, _regex_step(pattern, rule.label)) for pattern in rule.patterns]
+                steps.append(((), rule.gate, lambda text, lowered, f=rule.function, label=rule.label: f(text, label)))
+            steps += [(rule.keywords, rule.gate, _regex_step(pattern, rule.label)) for pattern in rule.patterns]
         for n, pattern in enumerate(patterns):
             sub = _user_pattern(n, pattern)
-            steps.append(((), lambda text, lowered, sub=sub: sub(text)))
+            steps.append(((), None, lambda text, lowered, sub=sub: sub(text)))
         self.steps = steps
         self.hook = _load_hook(hook) if hook else None
 
     def _apply(self, text: str) -> str:
         lowered: str | None = None
-        for keywords, step in self.steps:
+        gates: dict[str, bool] = {}  # each gate scanned once per text version
+        for keywords, gate, step in self.steps:
+            if gate is not None:
+                if gate not in gates:
+                    gates[gate] = _GATES[gate].search(text) is not None
+                if not gates[gate]:
+                    continue
             if keywords:
                 lowered = text.lower() if lowered is None else lowered
                 if not any(word in lowered for word in keywords):
                     continue
             redacted = step(text, lowered)
             if redacted is not text:  # re.sub returns its argument itself when nothing matched
-                text, lowered = redacted, None
+                text, lowered, gates = redacted, None, {}
         return text
 
     def without_hook(self, text: str) -> str:
