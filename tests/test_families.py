@@ -82,14 +82,18 @@ def test_the_objective_trains_on_real_states_and_sums_every_metric_it_names(targ
     assert all(0.0 <= summary[f"full_acc_{i}"] <= 1.0 for i in range(objective.steps))
 
 
-def test_the_proposer_decodes_the_targets_own_greedy_output(tmp_path, target, fresh):
-    family, _, draft = fresh
+def loaded_with_prompt(tmp_path, target, draft) -> tuple:
+    """The draft saved and loaded for the target as verify loads it, and a chat prompt's ids."""
     save_checkpoint(tmp_path, 1, draft, None, {"step": 1}, keep_last=1)
-    loaded = load_draft_for(target, tmp_path)
     prompt = target.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Name three prime numbers."}], add_generation_prompt=True
     )
-    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    return load_draft_for(target, tmp_path), list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+
+
+def test_the_proposer_decodes_the_targets_own_greedy_output(tmp_path, target, fresh):
+    family, _, draft = fresh
+    loaded, prompt = loaded_with_prompt(tmp_path, target, draft)
     reference = decode_plain(target, prompt, 24, eos_ids(target), Sampling()).tokens
     k = family.draft_tokens(loaded.draft, 4)
     proposer = family.proposer(loaded.draft, target)
@@ -103,12 +107,7 @@ def test_the_proposer_drafts_the_same_tokens_on_the_packed_weights_verify_uses(t
     """verify runs the target and the draft on oneDNN-packed linears: a draft module whose map is more than a
     Linear's weights must keep its map there (Medusa's residual blocks once became plain linears)."""
     family, _, draft = fresh
-    save_checkpoint(tmp_path, 1, draft, None, {"step": 1}, keep_last=1)
-    loaded = load_draft_for(target, tmp_path)
-    prompt = target.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Name three prime numbers."}], add_generation_prompt=True
-    )
-    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    loaded, prompt = loaded_with_prompt(tmp_path, target, draft)
     k = family.draft_tokens(loaded.draft, 4)
 
     def first_drafts() -> list[int]:
