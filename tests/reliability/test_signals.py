@@ -127,30 +127,27 @@ def test_export_to_gguf_ends_the_converter_and_leaves_no_temporary_file(tmp_path
     assert not [p for p in out.parent.rglob("*") if ".tmp" in p.name], list(out.parent.rglob("*"))
 
 
-def test_verify_on_llamacpp_ends_its_servers(tmp_path, fitted):
-    recipe, checkpoint, _, _ = fitted
-    settings = ["eval.num_prompts=1", "eval.max_new_tokens=8", "eval.llama_cpp.targets=[gguf]",
-                "eval.llama_cpp.speculative_tokens=[1]", "eval.llama_cpp.baselines=[]"]  # fmt: skip
-    argv = ["verify", recipe.source_path, "--draft", checkpoint, "--engine", "llama.cpp", "--out", tmp_path / "v"]
-    started = terminated(
-        tmp_path,
-        [*argv, *(x for s in settings for x in ("--set", s))],
+ENGINES = {  # engine: (the recipe settings of a short run, the call at which SIGTERM arrives)
+    "llama.cpp": (
+        ["eval.num_prompts=1", "eval.max_new_tokens=8", "eval.llama_cpp.targets=[gguf]",
+         "eval.llama_cpp.speculative_tokens=[1]", "eval.llama_cpp.baselines=[]"],
         "speculators_train.engines.llamacpp:Server.complete",
-    )
-    assert started, "no llama-server was running"
-    assert_ended(started)
-
-
-def test_verify_on_vllm_ends_its_engine_processes(tmp_path, fitted):
-    pytest.importorskip("vllm")
-    recipe, checkpoint, _, _ = fitted
-    settings = ["eval.num_prompts=1", "eval.max_new_tokens=8", "eval.vllm.batch=false", "eval.vllm.baselines=[]",
-                "eval.vllm.max_model_len=512"]  # fmt: skip
-    argv = ["verify", recipe.source_path, "--draft", checkpoint, "--engine", "vllm", "--out", tmp_path / "v"]
-    started = terminated(
-        tmp_path,
-        [*argv, *(x for s in settings for x in ("--set", s))],
+    ),
+    "vllm": (
+        ["eval.num_prompts=1", "eval.max_new_tokens=8", "eval.vllm.batch=false", "eval.vllm.baselines=[]",
+         "eval.vllm.max_model_len=512"],
         "speculators_train.engines.vllm:Engine.generate",
-    )
-    assert started, "no vLLM engine process was running"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_verify_ends_its_engine_processes(tmp_path, fitted, engine):
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    recipe, checkpoint, _, _ = fitted
+    settings, hook = ENGINES[engine]
+    argv = ["verify", recipe.source_path, "--draft", checkpoint, "--engine", engine, "--out", tmp_path / "v"]
+    started = terminated(tmp_path, [*argv, *(x for s in settings for x in ("--set", s))], hook)
+    assert started, f"no {engine} process was running"
     assert_ended(started)
