@@ -75,11 +75,11 @@ def regenerate_llamacpp(
     an engine serves), `cfg.batch_size` requests decoding at once in the server's parallel slots. Prompts are
     rendered by the same chat template and sent as token ids. The server's CPU seconds are appended to
     `server_cpu` (benchmarks)."""
-    from speculators_train.engines import llamacpp
+    from speculators_train.engines.llamacpp.server import Server
 
     slots = cfg.batch_size
     log = Path(tempfile.gettempdir()) / f"speculators_train-regenerate-{os.getpid()}.log"
-    with llamacpp.Server(gguf, [], log, ctx=slots * max_length, slots=slots) as server:
+    with Server(gguf, [], log, ctx=slots * max_length, slots=slots) as server:
 
         def reply(index: int, request: tuple[str, int]) -> str:
             prompt, cap = request

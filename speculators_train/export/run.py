@@ -135,9 +135,10 @@ def local_config_dir(source: str, revision: str | None) -> Path:
 
 
 def llamacpp_converter() -> Path:
-    from speculators_train.engines import llamacpp
+    from speculators_train.engines.llamacpp.build import home
+    from speculators_train.engines.llamacpp.converter import CONVERTER
 
-    return llamacpp.home() / "convert" / llamacpp.CONVERTER[0]
+    return home() / "convert" / CONVERTER[0]
 
 
 def _replace(tmp: Path, out: Path) -> None:

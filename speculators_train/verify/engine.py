@@ -18,7 +18,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from speculators_train.engines import llamacpp
+from speculators_train.engines.llamacpp.build import ensure_built, version
+from speculators_train.engines.llamacpp.converter import convert
+from speculators_train.engines.llamacpp.server import Completion, Server
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
 from speculators_train.families.base import Layout, LoadedDraft
@@ -54,7 +56,7 @@ def f32_gguf(hf_dir: Path) -> Path:
     out = cache_root() / "llama.cpp-targets" / f"{hf_dir.name}-f32.gguf"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
-        llamacpp.convert(hf_dir, out, "f32")
+        convert(hf_dir, out, "f32")
     return out
 
 
@@ -72,8 +74,8 @@ def record(
     target_file: Path,
     method: str,
     k: int | None,
-    spec: list[llamacpp.Completion],
-    base: list[llamacpp.Completion],
+    spec: list[Completion],
+    base: list[Completion],
 ) -> dict[str, Any]:
     """One suite x target x method record, with the native loop's keys where llama.cpp measures the same thing."""
     steps = sum(c.steps for c in spec)
@@ -154,7 +156,7 @@ def run_llamacpp(
     """Every (target file, suite, setting) record; without a draft only the draftless methods run. The draft is
     exported in float32, the precision it is measured at natively."""
     cfg = recipe.eval.llama_cpp
-    llamacpp.ensure_built()
+    ensure_built()
     layout, exported = None, None
     if loaded is not None:
         layout = served_layout(loaded)
@@ -166,11 +168,11 @@ def run_llamacpp(
     logs = out_dir / "llama.cpp-logs"
     with tqdm(total=total, unit="prompt", desc="verify llama.cpp") as bar:
         for target_name, file in files.items():
-            base_server = llamacpp.Server(file, [], logs / f"{target_name}-target-only.log", cfg.threads)
+            base_server = Server(file, [], logs / f"{target_name}-target-only.log", cfg.threads)
             with base_server as base:
                 for method, k, args in runs:
                     log = logs / f"{target_name}-{method}{k or ''}.log"
-                    with llamacpp.Server(file, args, log, cfg.threads) as spec_server:
+                    with Server(file, args, log, cfg.threads) as spec_server:
                         for suite in suites:
                             max_new = recipe.eval.max_new_tokens or suite.config.max_new_tokens
                             bar.set_postfix(target=target_name, run=f"{method}{k or ''}", suite=suite.config.name)
@@ -187,6 +189,6 @@ def run_llamacpp(
                             r["draft"] = str(exported) if method == "draft" else None
                             r["checkpoint"] = str(loaded.path) if loaded is not None and method == "draft" else None
                             r["device"] = f"cpu, {base_server.threads} threads"
-                            r["llama_cpp_version"] = llamacpp.version()
+                            r["llama_cpp_version"] = version()
                             records.append(r)
     return records

@@ -20,7 +20,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from speculators_train.engines import llamacpp
+from speculators_train.engines.llamacpp.converter import convert
 from speculators_train.families.eagle3.formats import SpeculatorsLayout
 from speculators_train.families.eagle3.model import Eagle3Draft
 
@@ -58,7 +58,7 @@ class GGUFLayout(SpeculatorsLayout):
         return out
 
     def finish(self, out: Path, target_dir: Path, dtype: str) -> None:
-        llamacpp.convert(out, out / DRAFT_FILE, OUTTYPES[dtype], target_dir=target_dir)
+        convert(out, out / DRAFT_FILE, OUTTYPES[dtype], target_dir=target_dir)
 
     def server_args(self, out: Path, k: int, p_min: float) -> list[str]:
         return draft_args(str(out / DRAFT_FILE), k, p_min)
