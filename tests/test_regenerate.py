@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.conversations import Conversation
 from speculators_train.data.regenerate import regenerate
-from speculators_train.recipe import RegenerateConfig
 
 
 def greedy_reply(target, messages, max_new_tokens):

@@ -209,9 +209,9 @@ def test_vllm_serves_each_family_from_the_printed_command_with_the_targets_outpu
 def test_vllm_regeneration_answers_each_turn_as_vllm_answers_the_prompt_alone(target, reference):
     """`data.regenerate.engine: vllm`: the reply to a turn is what vLLM answers that rendered prompt alone, and a
     later turn is answered after the regenerated earlier one."""
+    from speculators_train.data.config import RegenerateConfig
     from speculators_train.data.conversations import Conversation
     from speculators_train.data.regenerate import regenerate_vllm
-    from speculators_train.recipe import RegenerateConfig
 
     from .conftest import PROMPT
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.conversations import Conversation
-from speculators_train.recipe import RegenerateConfig
 
 # One turn's requests: (rendered prompt, new-token cap) -> reply texts, in order.
 Replies = Callable[[list[tuple[str, int]]], list[str]]
