@@ -63,7 +63,7 @@ def test_each_setting_passes_the_flags_llamacpp_needs(tmp_path):
             eval={"llama_cpp": {"speculative_tokens": [3], "draft_p_min": 0.2, "baselines": ["ngram-mod"]}},
         )
     )
-    (draft, k, args), (ngram, none, ngram_args) = settings(recipe, get("eagle3").layouts["gguf"], tmp_path)
+    (draft, k, args), (ngram, none, ngram_args) = settings(recipe, get("eagle3").formats["gguf"], tmp_path)
     assert (draft, k, ngram, none) == ("draft", 3, "ngram-mod", None)
     flags = dict(zip(args[::2], args[1::2], strict=True))
     assert flags["-md"] == str(tmp_path / "draft.gguf")

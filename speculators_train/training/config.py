@@ -49,7 +49,7 @@ class TrainingConfig(Section):
         "time instead of the steps (so such a run is not bit-reproducible).",
     )
     init_from: str | None = Field(
-        None, description="A draft of the recipe's family to fine-tune: ours, or one in a layout the family reads."
+        None, description="A draft of the recipe's family to fine-tune: ours, or one in a format the family reads."
     )
     select: SelectConfig | None = Field(
         None, description="Train on a subset of the stored samples (with init_from; offline hidden states)."

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 def initial_draft(
     recipe: Recipe, family: Family, target_config, weights: dict[str, torch.Tensor], freq, aux_layer_ids: list[int]
 ):
-    """A fresh draft of the recipe's family, or the draft named by `training.init_from` (in any layout the family
+    """A fresh draft of the recipe's family, or the draft named by `training.init_from` (in any format the family
     reads) to fine-tune, with its own vocab and settings."""
     if not recipe.training.init_from:
         return family.new_draft(recipe.draft, target_config, weights, freq, aux_layer_ids)

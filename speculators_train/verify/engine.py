@@ -23,7 +23,7 @@ from speculators_train.engines.llamacpp.converter import convert
 from speculators_train.engines.llamacpp.server import Completion, Server
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
-from speculators_train.families.base import Layout, LoadedDraft
+from speculators_train.families.base import ExportFormat, LoadedDraft
 from speculators_train.recipe import Recipe
 from speculators_train.sources import cache_root, gguf_file, resolve_source
 from speculators_train.verify.report import quartiles
@@ -129,23 +129,25 @@ def record(
     }
 
 
-def served_layout(loaded: LoadedDraft) -> Layout:
-    """The draft family's layout that llama.cpp serves beside the target's GGUF file."""
-    for layout in loaded.family.layouts.values():
-        if layout.target_file:
-            return layout
+def served_format(loaded: LoadedDraft) -> ExportFormat:
+    """The draft family's format that llama.cpp serves beside the target's GGUF file."""
+    for export_format in loaded.family.formats.values():
+        if export_format.target_file:
+            return export_format
     raise UserError(
         f"{loaded.path}: llama.cpp has no runtime for {loaded.family.title}s; verify it with --engine native"
     )
 
 
-def settings(recipe: Recipe, layout: Layout | None, export_dir: Path | None) -> list[tuple[str, int | None, list[str]]]:
+def settings(
+    recipe: Recipe, export_format: ExportFormat | None, export_dir: Path | None
+) -> list[tuple[str, int | None, list[str]]]:
     """(method, K, llama-server arguments beyond the target) for each speculative run: the draft exported at
-    `export_dir` in `layout` (none: only the draftless methods), then llama.cpp's n-gram methods."""
+    `export_dir` in `export_format` (none: only the draftless methods), then llama.cpp's n-gram methods."""
     cfg = recipe.eval.llama_cpp
     out: list[tuple[str, int | None, list[str]]] = []
-    if layout is not None and export_dir is not None:
-        out += [("draft", k, layout.server_args(export_dir, k, cfg.draft_p_min)) for k in cfg.speculative_tokens]
+    if export_format is not None and export_dir is not None:
+        out += [("draft", k, export_format.server_args(export_dir, k, cfg.draft_p_min)) for k in cfg.speculative_tokens]
     out += [(name, None, ["--spec-type", name]) for name in cfg.baselines]
     return out
 
@@ -157,11 +159,11 @@ def run_llamacpp(
     exported in float32, the precision it is measured at natively."""
     cfg = recipe.eval.llama_cpp
     ensure_built()
-    layout, exported = None, None
+    export_format, exported = None, None
     if loaded is not None:
-        layout = served_layout(loaded)
-        exported = export(recipe, loaded.path, layout.name, out_dir / "draft-export", "float32", force=True).path
-    runs = settings(recipe, layout, exported)
+        export_format = served_format(loaded)
+        exported = export(recipe, loaded.path, export_format.name, out_dir / "draft-export", "float32", force=True).path
+    runs = settings(recipe, export_format, exported)
     files = target_files(recipe)
     total = sum(len(s.prompts) for s in suites) * len(runs) * 2 * len(files)
     records = []
