@@ -25,7 +25,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from speculators_train.engines import llamacpp
+from speculators_train.engines.llamacpp.build import ensure_built, version
 from speculators_train.errors import UserError, run_script
 from speculators_train.recipe import DEFAULT_RECIPE, load_recipe
 from speculators_train.schema import parse_overrides
@@ -36,7 +36,7 @@ from speculators_train.verify.run import verify
 def verify_batch_costs(file: Path, max_k: int, depth: int, threads: int | None) -> dict[str, float]:
     """llama-bench: seconds per decoded token (tg) and per batch of n = 2 .. max_k + 1 tokens (pp), at `depth`."""
     sizes = ",".join(str(n) for n in range(2, max_k + 2))
-    cmd = [str(llamacpp.ensure_built() / "llama-bench"), "-m", str(file), "-p", sizes, "-n", "32", "-d", str(depth),
+    cmd = [str(ensure_built() / "llama-bench"), "-m", str(file), "-p", sizes, "-n", "32", "-d", str(depth),
            "-r", "5", "-o", "json"]  # fmt: skip
     if threads:
         cmd += ["-t", str(threads)]
@@ -85,7 +85,7 @@ def main() -> None:
         )
         _, native = verify(native_recipe, draft)
 
-    summary = {"llama_cpp_version": llamacpp.version(), "results": str(out_dir), "batch_seconds": costs, "runs": []}
+    summary = {"llama_cpp_version": version(), "results": str(out_dir), "batch_seconds": costs, "runs": []}
     for r in engine_records:
         t = costs[r["target"]]
         k = r["num_speculative_tokens"]
@@ -119,7 +119,7 @@ def main() -> None:
     print(json.dumps(summary))
 
     console = Console()
-    table = Table(title=f"llama.cpp {llamacpp.version()}: {recipe.eval.llama_cpp.targets} targets")
+    table = Table(title=f"llama.cpp {version()}: {recipe.eval.llama_cpp.targets} targets")
     for col in (
         "target",
         "suite",

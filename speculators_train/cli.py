@@ -212,7 +212,7 @@ COMMANDS = {
     "train": (cmd_train, "train the draft from the generated hidden states (resumes from the last checkpoint)"),
     "validate": (cmd_validate, "check every hidden-state shard against the manifest (recipe or directory)"),
     "verify": (cmd_verify, "speculative decoding with the real target: acceptance length, speedup, exactness"),
-    "export": (cmd_export, "write the draft in a layout its engine loads (vLLM, SGLang), with tokenizer and a card"),
+    "export": (cmd_export, "write the draft in a format its engine loads (vLLM, SGLang), with tokenizer and a card"),
     "osd": (cmd_osd, "online distillation on production logs: ingest, score, distil, promote a better draft"),
 }
 
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "--checkpoint", help="checkpoint dir, checkpoints/run dir (its best), or a draft made elsewhere"
             )
             p.add_argument(
-                "--format", help="a layout of the draft's family (speculators, sglang, gguf); default: export.format"
+                "--format", help="a format of the draft's family (speculators, sglang, gguf); default: export.format"
             )
             p.add_argument("--out", help="output dir; default <run dir>/export/<format>")
             p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: export.dtype")

@@ -1,5 +1,5 @@
 """The recipe's `eval:` section (suites, chain or tree, engines and their settings): what `verify` runs, and
-what a family's layout and tree read. Kept apart from `recipe.py` so the families can name it without importing
+what a family's format and tree read. Kept apart from `recipe.py` so the families can name it without importing
 the recipe, which imports them."""
 
 from __future__ import annotations

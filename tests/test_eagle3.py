@@ -20,7 +20,7 @@ from speculators_train.families.eagle3.formats import (
 from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.eagle3.objective import align, ttt_loss
 from speculators_train.families.eagle3.proposer import Eagle3Proposer
-from speculators_train.families.layouts import export_tensors
+from speculators_train.families.format_common import export_tensors
 from speculators_train.families.objective import summarize
 from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
 from speculators_train.proposal import Sampling

@@ -1,6 +1,6 @@
 """Every registered family, through the one protocol the stages use, with the real SmolLM2 target on real ShareGPT
 records: a fresh draft saves and loads as itself, its objective trains on real states, its proposer decodes the
-target's own greedy output in the verify loop, and each export layout it writes reads back to the same draft."""
+target's own greedy output in the verify loop, and each export format it writes reads back to the same draft."""
 
 import pytest
 import torch
@@ -53,7 +53,7 @@ def fresh(request, target, head_weights, samples):
 def test_a_family_is_registered_under_its_own_name(fresh):
     family, settings, draft = fresh
     assert families.get(family.name) is family and settings.family == family.name
-    assert isinstance(draft, family.draft_type) and set(settings.formats) == set(family.layouts)
+    assert isinstance(draft, family.draft_type) and set(settings.format_names) == set(family.formats)
 
 
 def test_save_then_load_gives_the_same_draft_of_the_same_family(tmp_path, target, fresh):
@@ -124,13 +124,13 @@ def test_the_proposer_drafts_the_same_tokens_on_the_packed_weights_verify_uses(t
         assert first_drafts() == plain
 
 
-def test_every_export_layout_reads_back_to_the_same_draft(tmp_path, target, fresh):
+def test_every_export_format_reads_back_to_the_same_draft(tmp_path, target, fresh):
     family, _, draft = fresh
     recipe = load_recipe(
         make_recipe(tmp_path, [{"name": "s", "path": SHAREGPT, "max_records": 8}], draft={"family": family.name})
     )
     checkpoint = save_checkpoint(tmp_path / "ckpt", 1, draft, None, {"step": 1}, keep_last=1)
-    for name in family.layouts:
+    for name in family.formats:
         out = export(recipe, checkpoint, name, tmp_path / name, "float32").path
         loaded = load_draft(out, target.num_layers)
         assert loaded.family is family and type(loaded.draft) is type(draft), name

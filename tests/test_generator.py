@@ -16,13 +16,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.splits import load_splits
 from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_bytes
 from speculators_train.hidden_states.generator import generate, process_chunk
 from speculators_train.hidden_states.shards import TENSORS, HiddenStateShards, validate
 from speculators_train.packed import available
-from speculators_train.recipe import RegenerateConfig, load_recipe
+from speculators_train.recipe import load_recipe
 from speculators_train.training.sources import OfflineSource
 
 from .conftest import REPO, SHAREGPT, make_recipe

@@ -38,12 +38,16 @@ def _imports(tree: ast.Module, module: str, type_only: bool = True) -> set[str]:
 
 
 def _unit(module: str) -> str:
-    """The layering unit of a module: the stage package or top-level module right under speculators_train."""
-    return module.split(".")[1]
+    """The layering unit of a module: the stage package or top-level module right under speculators_train. A stage's
+    `config` module (its recipe section, plain data the recipe composes) is a unit of its own, `<stage>.config`: the
+    stage imports the recipe, and the recipe imports the section, never the stage."""
+    parts = module.split(".")
+    return f"{parts[1]}.config" if len(parts) > 2 and parts[2] == "config" else parts[1]
 
 
 def unit_graph(type_only: bool = True) -> dict[str, set[str]]:
     known = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or p.is_dir()}
+    known |= {f"{p.parent.name}.config" for p in PACKAGE.glob("*/config.py")}
     graph: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(REPO).with_suffix("").parts
@@ -88,6 +92,13 @@ def test_no_import_cycle_between_stage_packages():
     # The layering the package is built on: stages sit on the families, never the other way round.
     assert not graph["families"] & {"training", "export", "verify", "osd", "cli", "hidden_states", "data", "recipe"}
     assert "training" not in graph["export"] and "export" not in graph["training"]
+    # The recipe composes the stages' sections, and a section names no stage: loading a recipe loads no stage code.
+    stages = {"data", "hidden_states", "training", "export", "verify", "osd", "engines"}
+    sections = {unit for unit in graph if unit.endswith(".config")}
+    assert {"data.config", "training.config", "osd.config"} <= sections
+    assert not graph["recipe"] & stages
+    for section in sections:
+        assert not graph[section] & (stages | {"recipe"}), section
 
 
 def test_type_only_imports_count_as_edges():

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from speculators_train.engines import llamacpp
-from speculators_train.engines.llamacpp import Completion, parse_metrics
+from speculators_train.engines.llamacpp.server import Completion, Server, parse_metrics
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
 from speculators_train.families import get
@@ -64,7 +63,7 @@ def test_each_setting_passes_the_flags_llamacpp_needs(tmp_path):
             eval={"llama_cpp": {"speculative_tokens": [3], "draft_p_min": 0.2, "baselines": ["ngram-mod"]}},
         )
     )
-    (draft, k, args), (ngram, none, ngram_args) = settings(recipe, get("eagle3").layouts["gguf"], tmp_path)
+    (draft, k, args), (ngram, none, ngram_args) = settings(recipe, get("eagle3").formats["gguf"], tmp_path)
     assert (draft, k, ngram, none) == ("draft", 3, "ngram-mod", None)
     flags = dict(zip(args[::2], args[1::2], strict=True))
     assert flags["-md"] == str(tmp_path / "draft.gguf")
@@ -146,8 +145,8 @@ def test_llamacpp_with_our_draft_gives_its_own_target_only_output_on_an_unquanti
     target_gguf = f32_gguf(Path(resolve_source(recipe.target)[0]))
     args = draft_args(str(out / "draft.gguf"), 3)
     with (
-        llamacpp.Server(target_gguf, [], tmp_path / "base.log") as base,
-        llamacpp.Server(target_gguf, args, tmp_path / "spec.log") as spec,
+        Server(target_gguf, [], tmp_path / "base.log") as base,
+        Server(target_gguf, args, tmp_path / "spec.log") as spec,
     ):
         reference = base.complete(prompt, 48)
         drafted = spec.complete(prompt, 48)
@@ -177,8 +176,8 @@ def test_llamacpp_runs_a_norm_before_fc_draft_as_trained(tmp_path, target):
     assert len(stored) == 1 and torch.allclose(torch.from_numpy(stored[0].data.copy()), norm.detach())
     target_gguf = f32_gguf(Path(resolve_source(recipe.target)[0]))
     with (
-        llamacpp.Server(target_gguf, [], tmp_path / "base.log") as base,
-        llamacpp.Server(target_gguf, draft_args(str(out / "draft.gguf"), 3), tmp_path / "spec.log") as spec,
+        Server(target_gguf, [], tmp_path / "base.log") as base,
+        Server(target_gguf, draft_args(str(out / "draft.gguf"), 3), tmp_path / "spec.log") as spec,
     ):
         reference = base.complete(prompt, 48)
         drafted = spec.complete(prompt, 48)

@@ -154,7 +154,7 @@ def exported(tmp_path, heads):
     return recipe, checkpoint, export(recipe, checkpoint, "speculators", tmp_path / "out", "float32")
 
 
-def test_medusa_export_is_the_vllm_medusa_layout_and_reloads_to_the_same_proposals(
+def test_medusa_export_is_the_vllm_medusa_format_and_reloads_to_the_same_proposals(
     target,
     prompts,  # noqa: F811
     heads,

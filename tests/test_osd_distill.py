@@ -185,7 +185,7 @@ def test_the_general_suite_is_captured_at_the_layers_the_adapted_draft_reads(tmp
 
 def test_medusa_heads_are_scored_distilled_gated_and_versioned_by_the_same_loop(tmp_path, target):
     """Online distillation is not EAGLE-3's: heads read only the final state, train through the trainer's step with
-    the OSD divergence, and each version is exported in their own (vLLM Medusa) layout."""
+    the OSD divergence, and each version is exported in their own (vLLM Medusa) format."""
     from speculators_train.families.drafts import draft_state_dict
 
     settings = {"family": "medusa", "num_heads": 3, "draft_vocab_size": 2048}

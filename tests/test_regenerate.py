@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.conversations import Conversation
 from speculators_train.data.regenerate import regenerate
-from speculators_train.recipe import RegenerateConfig
 
 
 def greedy_reply(target, messages, max_new_tokens):
@@ -88,7 +88,7 @@ def test_llamacpp_regeneration_answers_each_turn_from_the_served_gguf(target, tm
     on F32 too on a CPU without AVX-512): there every turn is still the server's answer, not the original text, and
     no token-level equality is asserted."""
     from speculators_train.data.regenerate import regenerate_llamacpp
-    from speculators_train.engines import llamacpp
+    from speculators_train.engines.llamacpp.server import Server
     from speculators_train.recipe import TargetConfig
     from speculators_train.sources import gguf_file, resolve_source
     from speculators_train.verify.engine import f32_gguf
@@ -118,7 +118,7 @@ def test_llamacpp_regeneration_answers_each_turn_from_the_served_gguf(target, tm
     f32 = f32_gguf(Path(resolve_source(TargetConfig())[0]))
     one = cfg.model_copy(update={"batch_size": 1})
     out = regenerate_llamacpp(convs, tok, one, max_length=512, seed=0, gguf=f32)
-    with llamacpp.Server(f32, [], tmp_path / "one.log") as server:
+    with Server(f32, [], tmp_path / "one.log") as server:
         for conv, regenerated in zip(convs, out, strict=True):
             assert [m["role"] for m in regenerated.messages] == ["user", "assistant", "user", "assistant"]
             for turn in (1, 3):

@@ -317,7 +317,7 @@ def test_verify_command_writes_json_markdown_plot_and_the_recipe(tmp_path, targe
 
 
 def test_a_speculators_format_eagle3_made_elsewhere_loads_and_drafts_the_same(tmp_path, target, random_draft, prompts):
-    """A directory in the speculators/vLLM layout (written here by hand as vLLM reads it, not by our exporter)."""
+    """A directory in the speculators/vLLM format (written here by hand as vLLM reads it, not by our exporter)."""
     from safetensors.torch import save_file
 
     cfg = random_draft.config

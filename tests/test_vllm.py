@@ -65,7 +65,7 @@ def test_settings_run_the_draft_at_each_k_and_ngram_at_the_first(tmp_path):
             eval={"engine": "vllm", "vllm": {"speculative_tokens": [2, 4]}},
         )
     )
-    runs = settings(recipe, get("peagle").layouts["speculators"], tmp_path / "x")
+    runs = settings(recipe, get("peagle").formats["speculators"], tmp_path / "x")
     assert [(m, k) for m, k, _ in runs] == [("draft", 2), ("draft", 4), ("ngram", 2)]
     assert runs[1][2] == {
         "model": str(tmp_path / "x"),
@@ -105,7 +105,7 @@ def test_medusa_export_writes_full_vocabulary_heads_and_reads_back_the_trained_d
         draft.t2d.zero_()
         draft.t2d[torch.tensor([1, 3, 4, 7, 10])] = True
     family = get("medusa")
-    cfg, weights = family.layouts["speculators"].write(draft, "float32", "v", ["LlamaForCausalLM"], 2)
+    cfg, weights = family.formats["speculators"].write(draft, "float32", "v", ["LlamaForCausalLM"], 2)
     # What vLLM 0.32's Medusa needs to build full-size heads and skip the token_map slicing it cannot load.
     assert cfg["truncated_vocab_size"] == cfg["vocab_size"] == 12 and cfg["original_lm_head"] is False
     head = weights["lm_heads.1.weight"]
@@ -209,9 +209,9 @@ def test_vllm_serves_each_family_from_the_printed_command_with_the_targets_outpu
 def test_vllm_regeneration_answers_each_turn_as_vllm_answers_the_prompt_alone(target, reference):
     """`data.regenerate.engine: vllm`: the reply to a turn is what vLLM answers that rendered prompt alone, and a
     later turn is answered after the regenerated earlier one."""
+    from speculators_train.data.config import RegenerateConfig
     from speculators_train.data.conversations import Conversation
     from speculators_train.data.regenerate import regenerate_vllm
-    from speculators_train.recipe import RegenerateConfig
 
     from .conftest import PROMPT
 

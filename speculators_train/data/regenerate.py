@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.conversations import Conversation
-from speculators_train.recipe import RegenerateConfig
 
 # One turn's requests: (rendered prompt, new-token cap) -> reply texts, in order.
 Replies = Callable[[list[tuple[str, int]]], list[str]]
@@ -75,11 +75,11 @@ def regenerate_llamacpp(
     an engine serves), `cfg.batch_size` requests decoding at once in the server's parallel slots. Prompts are
     rendered by the same chat template and sent as token ids. The server's CPU seconds are appended to
     `server_cpu` (benchmarks)."""
-    from speculators_train.engines import llamacpp
+    from speculators_train.engines.llamacpp.server import Server
 
     slots = cfg.batch_size
     log = Path(tempfile.gettempdir()) / f"speculators_train-regenerate-{os.getpid()}.log"
-    with llamacpp.Server(gguf, [], log, ctx=slots * max_length, slots=slots) as server:
+    with Server(gguf, [], log, ctx=slots * max_length, slots=slots) as server:
 
         def reply(index: int, request: tuple[str, int]) -> str:
             prompt, cap = request

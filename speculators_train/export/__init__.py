@@ -1,1 +1,1 @@
-"""Export: a trained draft written in one of its family's layouts, with the tokenizer and a card."""
+"""Export: a trained draft written in one of its family's formats, with the tokenizer and a card."""

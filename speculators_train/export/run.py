@@ -21,7 +21,7 @@ from speculators_train import __version__
 from speculators_train.errors import UserError
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft, refuse_non_finite
-from speculators_train.families.layouts import DTYPES
+from speculators_train.families.format_common import DTYPES
 from speculators_train.files import to_json
 from speculators_train.hidden_states.shards import MANIFEST
 from speculators_train.loading import read_json, read_json_object, reading
@@ -62,7 +62,7 @@ def model_card(
     lines = [
         f"# {family.title} for {verifier}",
         "",
-        f"Exported by speculators_train {__version__} in the `{fmt}` format, for {family.layouts[fmt].engines}.",
+        f"Exported by speculators_train {__version__} in the `{fmt}` format, for {family.formats[fmt].engines}.",
         "",
         "| setting | value |",
         "|---|---|",
@@ -135,9 +135,10 @@ def local_config_dir(source: str, revision: str | None) -> Path:
 
 
 def llamacpp_converter() -> Path:
-    from speculators_train.engines import llamacpp
+    from speculators_train.engines.llamacpp.build import home
+    from speculators_train.engines.llamacpp.converter import CONVERTER
 
-    return llamacpp.home() / "convert" / llamacpp.CONVERTER[0]
+    return home() / "convert" / CONVERTER[0]
 
 
 def _replace(tmp: Path, out: Path) -> None:
@@ -177,7 +178,7 @@ def export(
     dtype: str | None = None,
     force: bool = False,
 ) -> Exported:
-    """Write the draft at `checkpoint` (default: the recipe's best) in its family's layout `fmt` (default:
+    """Write the draft at `checkpoint` (default: the recipe's best) in its family's format `fmt` (default:
     export.format)."""
     fmt = fmt or recipe.export.format
     dtype = dtype or recipe.export.dtype
@@ -203,16 +204,16 @@ def _export(
     check_fits(loaded, target_config.hidden_size, target_config.vocab_size, num_layers)
     family, draft = loaded.family, loaded.draft
     family.attach_target(draft, head["embed"], loaded.has_embedding)
-    layout = family.layouts.get(fmt)
-    if layout is None:
-        raise UserError(f"{loaded.path}: a {family.name} draft; its export formats are {list(family.layouts)}")
-    if problems := layout.unsupported(draft):
-        raise UserError(f"{loaded.path}: cannot export in the {fmt} layout: {'; '.join(problems)}")
+    export_format = family.formats.get(fmt)
+    if export_format is None:
+        raise UserError(f"{loaded.path}: a {family.name} draft; its export formats are {list(family.formats)}")
+    if problems := export_format.unsupported(draft):
+        raise UserError(f"{loaded.path}: cannot export in the {fmt} format: {'; '.join(problems)}")
 
     verifier = recipe.export.verifier or hub_id or recipe.target.name_or_path
     served = verifier
     notes = []
-    if layout.target_file:  # the engine loads the target's GGUF file, not a hub id
+    if export_format.target_file:  # the engine loads the target's GGUF file, not a hub id
         target_gguf = gguf_file(recipe.target)
         if target_gguf is None:
             served = f"{Path(source).name}.gguf"
@@ -228,9 +229,9 @@ def _export(
             "one-argument `vllm serve <dir>` needs a hub id (set export.verifier)"
         )
     k = family.draft_tokens(draft, recipe.eval.num_speculative_tokens)
-    commands = layout.commands(out, served, recipe.eval, k)
+    commands = export_format.commands(out, served, recipe.eval, k)
     architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
-    config, weights = layout.write(draft, dtype, verifier, architectures, k)
+    config, weights = export_format.write(draft, dtype, verifier, architectures, k)
     refuse_non_finite(weights, f"{loaded.path} in {dtype}")  # float16 overflows past 65504
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -246,7 +247,7 @@ def _export(
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(source, revision=recipe.target.revision).save_pretrained(tmp)
-        layout.finish(tmp, local_config_dir(source, recipe.target.revision), dtype)
+        export_format.finish(tmp, local_config_dir(source, recipe.target.revision), dtype)
         (tmp / "README.md").write_text(model_card(recipe, loaded, fmt, dtype, verifier, k, commands))
         _replace(tmp, out)
     except OSError as exc:

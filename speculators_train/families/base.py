@@ -3,7 +3,7 @@
     settings.py   Settings: the recipe's `draft:` section for this family (a pydantic Section tagged by `family`),
                   with the rules a recipe is checked against when it loads
     family.py     FAMILY: build / load / save a draft, the target states it reads, its objective (loss and metric
-                  sums), its proposer for the verify loop, and its export layouts (writer and reader of each)
+                  sums), its proposer for the verify loop, and its export formats (writer and reader of each)
 
 Stages (trainer, OSD, verify, export, CLI, eval scripts) hold a `Family` and a draft, and never test which
 family they have. This module imports no torch, so loading a recipe stays cheap.
@@ -39,7 +39,7 @@ class FamilySettings(Section):
     family: str
 
     # Rules a recipe is held to when it loads (not discovered at run time):
-    formats: ClassVar[tuple[str, ...]]  # export.format values this family writes
+    format_names: ClassVar[tuple[str, ...]]  # export.format values this family writes
     tree_shapes: ClassVar[tuple[str, ...]] = ("dynamic",)  # eval.tree.shape values its proposer grows
     fine_tunes: ClassVar[bool] = True  # whether training.init_from may name a draft of this family
 
@@ -49,7 +49,7 @@ class FamilySettings(Section):
         return []
 
 
-class Layout(ABC):
+class ExportFormat(ABC):
     """One on-disk draft format an engine loads: written by `export`, read back by every stage."""
 
     name: ClassVar[str]  # the export.format value
@@ -60,7 +60,7 @@ class Layout(ABC):
 
     @abstractmethod
     def detect(self, config: dict[str, Any]) -> bool:
-        """Whether a directory whose config.json holds `config` is in this layout."""
+        """Whether a directory whose config.json holds `config` is in this format."""
 
     @abstractmethod
     def read(self, path: Path, config: dict[str, Any], target_num_layers: int) -> tuple[nn.Module, bool]:
@@ -77,9 +77,9 @@ class Layout(ABC):
         return []
 
     def server_args(self, out: Path, k: int, p_min: float) -> list[str]:
-        """For a `target_file` layout: the engine's arguments that load the export at `out` beside the target, at
+        """For a `target_file` format: the engine's arguments that load the export at `out` beside the target, at
         `k` draft tokens per step, stopping a draft below probability `p_min`."""
-        raise NotImplementedError(f"the {self.name} layout is not served beside a target file")
+        raise NotImplementedError(f"the {self.name} format is not served beside a target file")
 
     def finish(self, out: Path, target_dir: Path, dtype: str) -> None:
         """Add the engine's own files to the written export at `out` (config.json, model.safetensors and the
@@ -89,7 +89,7 @@ class Layout(ABC):
     def vllm_speculative_config(self, out: Path, k: int) -> dict[str, Any] | None:
         """The `speculative_config` with which vLLM serves the export at `out` at `k` draft tokens per step, as
         `vllm serve --speculative-config` and `LLM(speculative_config=...)` take it; None: vLLM does not load
-        this layout."""
+        this format."""
         return None
 
     @abstractmethod
@@ -106,7 +106,7 @@ class Family(ABC):
     draft_type: ClassVar[type]  # the draft module, built from one `config_type` argument
     config_type: ClassVar[type]  # the draft's config: a dataclass whose `to_dict()` is saved as JSON
     not_saved: ClassVar[tuple[str, ...]] = ()  # frozen weights restored from the target, never checkpointed
-    layouts: ClassVar[dict[str, Layout]]  # export formats by name; the first is the default
+    formats: ClassVar[dict[str, ExportFormat]]  # export formats by name; the first is the default
 
     # -- building, loading, saving ------------------------------------------------------------------------------
     @abstractmethod
@@ -180,7 +180,7 @@ class Family(ABC):
 
     # -- export -------------------------------------------------------------------------------------------------
     @abstractmethod
-    def card_rows(self, draft: nn.Module, layout: str, k: int) -> list[tuple[str, str]]:
+    def card_rows(self, draft: nn.Module, fmt: str, k: int) -> list[tuple[str, str]]:
         """The export card's architecture rows."""
 
 

@@ -1,13 +1,13 @@
-"""Drafts on disk, for every family: this toolkit's checkpoints, the layouts engines load, and fitting a target.
+"""Drafts on disk, for every family: this toolkit's checkpoints, the formats engines load, and fitting a target.
 
     <checkpoint>/model.safetensors     the draft's weights (not the frozen ones its family restores from the target)
     <checkpoint>/draft_config.json     {"family": NAME, ...the family's config}
     checkpoints/latest.json, best.json pointers to step-NNNNNN/ directories (written by the trainer)
 
 `load_draft` reads any directory a user points at: a checkpoint of ours (a checkpoints/ or run directory resolves
-to its best), or a directory in one of the families' export layouts, made here or by another tool (speculators,
+to its best), or a directory in one of the families' export formats, made here or by another tool (speculators,
 SGLang, vLLM). Loading dispatches on the family the files name; nothing is unpickled, and nothing is built before
-the config's values and the weights' names, shapes and dtypes are checked (`layouts.load_checked`), so a damaged
+the config's values and the weights' names, shapes and dtypes are checked (`format_common.load_checked`), so a damaged
 or hostile directory is one line naming the file and the key or tensor.
 """
 
@@ -23,7 +23,7 @@ from torch import nn
 from speculators_train import families
 from speculators_train.errors import UserError
 from speculators_train.families.base import Family, LoadedDraft
-from speculators_train.families.layouts import load_checked, shown
+from speculators_train.families.format_common import load_checked, shown
 from speculators_train.files import to_json
 from speculators_train.loading import load_tensors, read_json_object, reading
 
@@ -78,7 +78,7 @@ def _family(saved: dict[str, Any], config_file: Path) -> Family:
 
 def load_checkpoint(path: Path) -> tuple[Family, nn.Module]:
     """A draft from one of our checkpoint directories (safetensors only), its config checked before anything is
-    built and its weights against the module it describes (`layouts.load_checked`)."""
+    built and its weights against the module it describes (`format_common.load_checked`)."""
     config_file = path / CONFIG
     saved = read_json_object(config_file, "draft config")
     family = _family(saved, config_file)
@@ -95,17 +95,17 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_draft(path: Path, target_num_layers: int) -> LoadedDraft:
-    """A draft from any directory: an export layout of a family (by its config.json), else a checkpoint of ours.
-    `target_num_layers` fills the default aux layer ids of a layout that leaves them out."""
+    """A draft from any directory: an export format of a family (by its config.json), else a checkpoint of ours.
+    `target_num_layers` fills the default aux layer ids of a format that leaves them out."""
     if not path.exists():
         raise UserError(f"{path}: no such draft directory")
     config_file = path / "config.json"
     if config_file.is_file() and not (path / CONFIG).is_file():
         config = read_json_object(config_file, "draft config")
         for family in families.all_families():
-            for layout in family.layouts.values():
-                if layout.detect(config):
-                    draft, has_embedding = layout.read(path, config, target_num_layers)
+            for export_format in family.formats.values():
+                if export_format.detect(config):
+                    draft, has_embedding = export_format.read(path, config, target_num_layers)
                     refuse_non_finite(draft.state_dict(), str(path))
                     return LoadedDraft(family, draft, path, has_embedding)
     resolved = resolve_checkpoint(path)

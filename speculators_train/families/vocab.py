@@ -81,7 +81,7 @@ def checked_maps(
     d2t: torch.Tensor | None, t2d: torch.Tensor | None, draft_vocab_size: int, target_vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A file's d2t and t2d as int64 and bool, once they are one draft vocabulary (ValueError saying why not).
-    A file without t2d (it is optional in the export layouts) gets the one its d2t implies."""
+    A file without t2d (it is optional in the export formats) gets the one its d2t implies."""
     if d2t is None:
         raise ValueError(f"d2t is missing (a {draft_vocab_size}-id draft vocabulary of {target_vocab_size} target ids)")
     if kind(d2t) != "integer" or tuple(d2t.shape) != (draft_vocab_size,):  # checked as d2t, before adding offsets

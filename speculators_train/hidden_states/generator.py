@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save
 from tqdm import tqdm
 
+from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.conversations import Conversation, SkipReport
 from speculators_train.data.mix import Splits
 from speculators_train.data.regenerate import regenerate, regenerate_llamacpp, regenerate_vllm
@@ -38,7 +39,7 @@ from speculators_train.hidden_states.shards import (
     write_shard,
 )
 from speculators_train.loading import open_tensors, read_json
-from speculators_train.recipe import Recipe, RegenerateConfig
+from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
 from speculators_train.sources import gguf_file, resolve_source
 from speculators_train.target import DTYPES, StateSpec, Target, load_target

@@ -218,7 +218,7 @@ class OnlineDistiller:
 
     def prepare(self, path: Path, loaded: LoadedDraft | None = None) -> nn.Module:
         """A draft of the recipe's family, fitted to the target and on its device (one of our checkpoints at
-        `path`, unless already `loaded` from any layout)."""
+        `path`, unless already `loaded` from any format)."""
         t = self.target
         if loaded is None:
             family, draft = load_checkpoint(path)

@@ -15,7 +15,7 @@ import torch
 
 from speculators_train.families.objective import Objective, key
 from speculators_train.hidden_states.shards import HiddenStateShards
-from speculators_train.recipe import SelectConfig
+from speculators_train.training.config import SelectConfig
 from speculators_train.training.data import collate
 
 

@@ -17,12 +17,13 @@ from typing import Any
 
 import torch
 
+from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.render import render_many
 from speculators_train.data.splits import chunk_seed, chunks, data_fingerprint, load_splits
 from speculators_train.errors import UserError
 from speculators_train.hidden_states.generator import process_chunk
 from speculators_train.hidden_states.shards import HiddenStateShards, read_manifest, read_token_freq
-from speculators_train.recipe import Recipe, RegenerateConfig
+from speculators_train.recipe import Recipe
 from speculators_train.training.data import collate, epoch_batches
 
 Batch = dict[str, torch.Tensor]

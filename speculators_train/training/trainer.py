@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 def initial_draft(
     recipe: Recipe, family: Family, target_config, weights: dict[str, torch.Tensor], freq, aux_layer_ids: list[int]
 ):
-    """A fresh draft of the recipe's family, or the draft named by `training.init_from` (in any layout the family
+    """A fresh draft of the recipe's family, or the draft named by `training.init_from` (in any format the family
     reads) to fine-tune, with its own vocab and settings."""
     if not recipe.training.init_from:
         return family.new_draft(recipe.draft, target_config, weights, freq, aux_layer_ids)
@@ -109,10 +109,26 @@ class Trainer:
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
         self.cfg = recipe.training
-        self.accelerator = accelerator(recipe)
-        self.family = families.get(recipe.draft.family)
-        torch.manual_seed(recipe.seed)
-        random.seed(recipe.seed)
+        # In this order: the seeds are set before the source orders the data and before the head and the draft draw
+        # their starting weights, so a seed keeps giving the same run.
+        self._set_up_accelerator()
+        target_config, weights = self._set_up_data()
+        self._set_up_state()
+        objective = self._set_up_draft(target_config, weights)
+        self._set_up_optimizer(objective)
+        self._set_up_resume()
+
+    def _set_up_accelerator(self) -> None:
+        """The accelerator (devices, ranks, precision), the recipe's family, and the seeded generators."""
+        self.accelerator = accelerator(self.recipe)
+        self.family = families.get(self.recipe.draft.family)
+        torch.manual_seed(self.recipe.seed)
+        random.seed(self.recipe.seed)
+
+    def _set_up_data(self) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The data source (stored shards, or the target captured in the loop), and the target's config and head
+        weights the draft starts from; refuses a run with nothing held out on any rank."""
+        recipe = self.recipe
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         if recipe.generation.hidden_states == "offline":
             self.source = OfflineSource(recipe, world, rank)
@@ -127,7 +143,11 @@ class Trainer:
                 f"{recipe.source_path}: the held-out split has no samples, so nothing can be validated "
                 "or kept as best; raise data.held_out_fraction"
             )
-        self.identity = resume_identity(recipe, self.source.data_fingerprint, world)
+        return target_config, weights
+
+    def _set_up_state(self) -> None:
+        """The state a checkpoint carries, fresh, with the settings a resumed run must share (`identity`)."""
+        self.identity = resume_identity(self.recipe, self.source.data_fingerprint, self.accelerator.num_processes)
         self.state = {
             "step": 0,
             "epoch": 0,
@@ -137,6 +157,11 @@ class Trainer:
             "best": None,
             "identity": self.identity,
         }
+
+    def _set_up_draft(self, target_config: Any, weights: dict[str, torch.Tensor]) -> Objective:
+        """The draft (fresh or `init_from`) with the frozen target head as one objective, the samples it trains on
+        (`training.select`), and what validation predicts with it."""
+        recipe = self.recipe
         # The head is built first: its lm_head's initialisation draws from the seeded generator before the draft's
         # (then overwritten), so a seed keeps giving the same draft.
         head = TargetHead.from_weights(target_config, weights)
@@ -157,7 +182,12 @@ class Trainer:
         # The acceptance length held-out validation predicts, and the best checkpoint is kept by.
         self.al_depth = min(recipe.eval.num_speculative_tokens, self.steps)
         self.al_key = predicted_al_key(self.al_depth)
-        opt = optimizer(trainable(draft), self.cfg.learning_rate, self.cfg.weight_decay)
+        return objective
+
+    def _set_up_optimizer(self, objective: Objective) -> None:
+        """The optimizer over the draft's trainable weights, the learning-rate schedule over the step (or time)
+        budget, and both prepared by the accelerator."""
+        opt = optimizer(trainable(objective.draft), self.cfg.learning_rate, self.cfg.weight_decay)
         self.batches_per_epoch = self.source.batches_per_epoch()
         steps_per_epoch = math.ceil(self.batches_per_epoch / self.cfg.gradient_accumulation_steps)
         total = self.cfg.epochs * steps_per_epoch
@@ -172,7 +202,10 @@ class Trainer:
                 opt, round(self.cfg.warmup_ratio * self.total_steps), self.total_steps
             )
         self.model, self.optimizer = self.accelerator.prepare(objective, opt)
-        self.run_dir = recipe.run_dir / "train"
+
+    def _set_up_resume(self) -> None:
+        """Where the run saves, and the state of its latest checkpoint when there is one."""
+        self.run_dir = self.recipe.run_dir / "train"
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.wandb = None
         self._saved: str | None = None  # the `_position()` of the last checkpoint written or resumed from

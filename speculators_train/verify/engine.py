@@ -18,10 +18,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from speculators_train.engines import llamacpp
+from speculators_train.engines.llamacpp.build import ensure_built, version
+from speculators_train.engines.llamacpp.converter import convert
+from speculators_train.engines.llamacpp.server import Completion, Server
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
-from speculators_train.families.base import Layout, LoadedDraft
+from speculators_train.families.base import ExportFormat, LoadedDraft
 from speculators_train.recipe import Recipe
 from speculators_train.sources import cache_root, gguf_file, resolve_source
 from speculators_train.verify.report import quartiles
@@ -54,7 +56,7 @@ def f32_gguf(hf_dir: Path) -> Path:
     out = cache_root() / "llama.cpp-targets" / f"{hf_dir.name}-f32.gguf"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
-        llamacpp.convert(hf_dir, out, "f32")
+        convert(hf_dir, out, "f32")
     return out
 
 
@@ -72,8 +74,8 @@ def record(
     target_file: Path,
     method: str,
     k: int | None,
-    spec: list[llamacpp.Completion],
-    base: list[llamacpp.Completion],
+    spec: list[Completion],
+    base: list[Completion],
 ) -> dict[str, Any]:
     """One suite x target x method record, with the native loop's keys where llama.cpp measures the same thing."""
     steps = sum(c.steps for c in spec)
@@ -127,23 +129,25 @@ def record(
     }
 
 
-def served_layout(loaded: LoadedDraft) -> Layout:
-    """The draft family's layout that llama.cpp serves beside the target's GGUF file."""
-    for layout in loaded.family.layouts.values():
-        if layout.target_file:
-            return layout
+def served_format(loaded: LoadedDraft) -> ExportFormat:
+    """The draft family's format that llama.cpp serves beside the target's GGUF file."""
+    for export_format in loaded.family.formats.values():
+        if export_format.target_file:
+            return export_format
     raise UserError(
         f"{loaded.path}: llama.cpp has no runtime for {loaded.family.title}s; verify it with --engine native"
     )
 
 
-def settings(recipe: Recipe, layout: Layout | None, export_dir: Path | None) -> list[tuple[str, int | None, list[str]]]:
+def settings(
+    recipe: Recipe, export_format: ExportFormat | None, export_dir: Path | None
+) -> list[tuple[str, int | None, list[str]]]:
     """(method, K, llama-server arguments beyond the target) for each speculative run: the draft exported at
-    `export_dir` in `layout` (none: only the draftless methods), then llama.cpp's n-gram methods."""
+    `export_dir` in `export_format` (none: only the draftless methods), then llama.cpp's n-gram methods."""
     cfg = recipe.eval.llama_cpp
     out: list[tuple[str, int | None, list[str]]] = []
-    if layout is not None and export_dir is not None:
-        out += [("draft", k, layout.server_args(export_dir, k, cfg.draft_p_min)) for k in cfg.speculative_tokens]
+    if export_format is not None and export_dir is not None:
+        out += [("draft", k, export_format.server_args(export_dir, k, cfg.draft_p_min)) for k in cfg.speculative_tokens]
     out += [(name, None, ["--spec-type", name]) for name in cfg.baselines]
     return out
 
@@ -154,23 +158,23 @@ def run_llamacpp(
     """Every (target file, suite, setting) record; without a draft only the draftless methods run. The draft is
     exported in float32, the precision it is measured at natively."""
     cfg = recipe.eval.llama_cpp
-    llamacpp.ensure_built()
-    layout, exported = None, None
+    ensure_built()
+    export_format, exported = None, None
     if loaded is not None:
-        layout = served_layout(loaded)
-        exported = export(recipe, loaded.path, layout.name, out_dir / "draft-export", "float32", force=True).path
-    runs = settings(recipe, layout, exported)
+        export_format = served_format(loaded)
+        exported = export(recipe, loaded.path, export_format.name, out_dir / "draft-export", "float32", force=True).path
+    runs = settings(recipe, export_format, exported)
     files = target_files(recipe)
     total = sum(len(s.prompts) for s in suites) * len(runs) * 2 * len(files)
     records = []
     logs = out_dir / "llama.cpp-logs"
     with tqdm(total=total, unit="prompt", desc="verify llama.cpp") as bar:
         for target_name, file in files.items():
-            base_server = llamacpp.Server(file, [], logs / f"{target_name}-target-only.log", cfg.threads)
+            base_server = Server(file, [], logs / f"{target_name}-target-only.log", cfg.threads)
             with base_server as base:
                 for method, k, args in runs:
                     log = logs / f"{target_name}-{method}{k or ''}.log"
-                    with llamacpp.Server(file, args, log, cfg.threads) as spec_server:
+                    with Server(file, args, log, cfg.threads) as spec_server:
                         for suite in suites:
                             max_new = recipe.eval.max_new_tokens or suite.config.max_new_tokens
                             bar.set_postfix(target=target_name, run=f"{method}{k or ''}", suite=suite.config.name)
@@ -187,6 +191,6 @@ def run_llamacpp(
                             r["draft"] = str(exported) if method == "draft" else None
                             r["checkpoint"] = str(loaded.path) if loaded is not None and method == "draft" else None
                             r["device"] = f"cpu, {base_server.threads} threads"
-                            r["llama_cpp_version"] = llamacpp.version()
+                            r["llama_cpp_version"] = version()
                             records.append(r)
     return records

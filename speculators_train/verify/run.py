@@ -31,7 +31,7 @@ from speculators_train.verify.suites import Suite, load_suite
 
 
 def load_draft_for(target: Target, path: Path) -> LoadedDraft:
-    """A draft of ours or one in a family's export layout made elsewhere, shapes checked against the target, given
+    """A draft of ours or one in a family's export format made elsewhere, shapes checked against the target, given
     what it takes from the target (its embedding, unless it ships one), on the target's device and dtype. The
     target is not changed: the draft's proposer names the states it reads."""
     loaded = load_draft(path, target.num_layers)

@@ -22,13 +22,14 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.conversations import Conversation, SkipReport
 from speculators_train.data.mix import load_mix
 from speculators_train.data.regenerate import regenerate
 from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_json
 from speculators_train.loading import read_json
-from speculators_train.recipe import Recipe, RegenerateConfig
+from speculators_train.recipe import Recipe
 from speculators_train.schema import Section, load_yaml_model
 
 

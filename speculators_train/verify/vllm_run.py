@@ -2,7 +2,7 @@
 
 vLLM serves the target from the HF folder the native loop runs (for a GGUF target, its dequantised copy), in
 float32 on CPU. One engine decodes every suite target-only (the baseline and the reference output); then one
-engine per setting decodes the same prompts speculatively: the draft, exported with its family's vLLM layout in
+engine per setting decodes the same prompts speculatively: the draft, exported with its family's vLLM format in
 float32, at each K of `eval.vllm.speculative_tokens`, and vLLM's draftless `ngram` method. Each suite and
 temperature is run twice per engine: one request at a time (latency, batch 1) and, with `eval.vllm.batch`, all
 prompts in one call (vLLM batches them). Prompt i is sampled with seed `recipe.seed + i` in both engines.
@@ -22,7 +22,7 @@ from tqdm import tqdm
 from speculators_train.engines import vllm
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
-from speculators_train.families.base import Layout, LoadedDraft
+from speculators_train.families.base import ExportFormat, LoadedDraft
 from speculators_train.recipe import Recipe
 from speculators_train.sources import resolve_source
 from speculators_train.verify.engine import first_divergence
@@ -33,11 +33,11 @@ ENGINE = "vllm"
 NGRAM = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}  # vLLM's documented n-gram example settings
 
 
-def served_layout(loaded: LoadedDraft) -> Layout:
-    """The draft family's layout that vLLM loads."""
-    for layout in loaded.family.layouts.values():
-        if layout.vllm_speculative_config(loaded.path, 1) is not None:
-            return layout
+def served_format(loaded: LoadedDraft) -> ExportFormat:
+    """The draft family's format that vLLM loads."""
+    for export_format in loaded.family.formats.values():
+        if export_format.vllm_speculative_config(loaded.path, 1) is not None:
+            return export_format
     raise UserError(f"{loaded.path}: vLLM serves no {loaded.family.title}s; verify it with --engine native")
 
 
@@ -47,17 +47,17 @@ def target_dir(recipe: Recipe) -> Path:
 
 
 def settings(
-    recipe: Recipe, layout: Layout | None, exported: Path | None, max_k: int | None = None
+    recipe: Recipe, export_format: ExportFormat | None, exported: Path | None, max_k: int | None = None
 ) -> list[tuple[str, int, dict[str, Any]]]:
     """(method, K, speculative_config) of each speculative engine: the draft at each K (capped at `max_k`, the most
     the draft proposes, as the native loop caps it; repeats dropped), then the n-gram methods at the first K."""
     cfg = recipe.eval.vllm
     ks = cfg.speculative_tokens or [recipe.eval.num_speculative_tokens]
     out: list[tuple[str, int, dict[str, Any]]] = []
-    if layout is not None and exported is not None:
+    if export_format is not None and exported is not None:
         for k in dict.fromkeys(min(k, max_k or k) for k in ks):
-            spec = layout.vllm_speculative_config(exported, k)
-            assert spec is not None  # served_layout picked a vLLM layout
+            spec = export_format.vllm_speculative_config(exported, k)
+            assert spec is not None  # served_format picked a vLLM format
             out.append(("draft", k, spec))
     out += [(name, ks[0], {"method": name, "num_speculative_tokens": ks[0], **NGRAM}) for name in cfg.baselines]
     return out
@@ -167,12 +167,12 @@ def engine_for(recipe: Recipe, speculative_config: dict[str, Any] | None) -> vll
 def run_vllm(recipe: Recipe, suites: list[Suite], loaded: LoadedDraft | None, out_dir: Path) -> list[dict[str, Any]]:
     """Every (setting, suite, temperature, batch) record; without a draft only the draftless methods run."""
     vllm.require()
-    layout, exported = None, None
+    export_format, exported = None, None
     if loaded is not None:
-        layout = served_layout(loaded)
-        exported = export(recipe, loaded.path, layout.name, out_dir / "draft-export", "float32", force=True).path
+        export_format = served_format(loaded)
+        exported = export(recipe, loaded.path, export_format.name, out_dir / "draft-export", "float32", force=True).path
     cap = loaded.family.draft_tokens(loaded.draft, 1 << 20) if loaded is not None else None
-    runs = settings(recipe, layout, exported, cap)
+    runs = settings(recipe, export_format, exported, cap)
     per_engine = sum(len(s.prompts) for s in suites) * len(recipe.eval.temperatures) * (1 + recipe.eval.vllm.batch)
     max_new = {s.config.name: recipe.eval.max_new_tokens or s.config.max_new_tokens for s in suites}
     records = []

@@ -1,7 +1,7 @@
 """Hostile-input catalogue: damaged or hostile drafts, checkpoints and target directories.
 
 Each case damages a copy of a valid directory (built once per module for the real SmolLM2 target) and runs the
-CLI on it: `export --checkpoint` reads every draft layout and checkpoint, `verify` and `train` the same loader from
+CLI on it: `export --checkpoint` reads every draft format and checkpoint, `verify` and `train` the same loader from
 their own entries. Every one must end in one `error:` line naming the file and the key or tensor at fault (exit 2),
 never a traceback, and never a draft accepted with weights or maps its engine would misread.
 """
@@ -42,7 +42,7 @@ TARGET_LAYERS = 30  # SmolLM2-135M
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> dict[str, Path]:
     """Valid drafts for the real target, one per kind a user can point at: our EAGLE-3 and Medusa checkpoints, their
-    export layouts (speculators, SGLang, vLLM Medusa), and a run directory whose best.json names a checkpoint."""
+    export formats (speculators, SGLang, vLLM Medusa), and a run directory whose best.json names a checkpoint."""
     root = tmp_path_factory.mktemp("base")
     recipe_path = make_recipe(root / "recipe", [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}])
     recipe = load_recipe(recipe_path)
@@ -542,7 +542,7 @@ CASES = [
         WEIGHTS,
         ("t2d drops target id", "but d2t maps a draft id to it"),
     ),
-    # -- the speculators (vLLM) layout
+    # -- the speculators (vLLM) format
     Case("spec-config-a-list", "spec", raw(b"[1]", "config.json"), "config.json", ("must be a JSON object",)),
     Case(
         "spec-hidden-size-10**9",
@@ -594,7 +594,7 @@ CASES = [
         WEIGHTS,
         ("layers.0.mlp.down_proj.weight has shape [576, 100], expected [576, 1536]",),
     ),
-    # -- the SGLang layout
+    # -- the SGLang format
     Case(
         "sglang-aux-ids-not-integers",
         "sglang",
@@ -623,7 +623,7 @@ CASES = [
         "",
         ("no draft checkpoint there",),
     ),
-    # -- the vLLM Medusa layout
+    # -- the vLLM Medusa format
     Case(
         "medusa-export-token-map-past-the-vocab",
         "medusa-export",

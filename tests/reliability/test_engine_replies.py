@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from speculators_train.engines.llamacpp import Server
+from speculators_train.engines.llamacpp.server import Server
 from speculators_train.errors import UserError
 
 

@@ -131,7 +131,7 @@ ENGINES = {  # engine: (the recipe settings of a short run, the call at which SI
     "llama.cpp": (
         ["eval.num_prompts=1", "eval.max_new_tokens=8", "eval.llama_cpp.targets=[gguf]",
          "eval.llama_cpp.speculative_tokens=[1]", "eval.llama_cpp.baselines=[]"],
-        "speculators_train.engines.llamacpp:Server.complete",
+        "speculators_train.engines.llamacpp.server:Server.complete",
     ),
     "vllm": (
         ["eval.num_prompts=1", "eval.max_new_tokens=8", "eval.vllm.batch=false", "eval.vllm.baselines=[]",

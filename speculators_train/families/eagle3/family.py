@@ -1,5 +1,5 @@
 """EAGLE-3 as a registered family: the draft reads the target's aux states, trains with training-time test, and
-exports for vLLM (speculators layout) and SGLang."""
+exports for vLLM (speculators format) and SGLang."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any, ClassVar
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from speculators_train.families.base import Family, Layout
-from speculators_train.families.eagle3.formats import SGLangLayout, SpeculatorsLayout
-from speculators_train.families.eagle3.gguf import GGUFLayout
+from speculators_train.families.base import ExportFormat, Family
+from speculators_train.families.eagle3.formats import SGLangFormat, SpeculatorsFormat
+from speculators_train.families.eagle3.gguf import GGUFFormat
 from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft, checked_config
 from speculators_train.families.eagle3.objective import Eagle3Objective
 from speculators_train.families.eagle3.proposer import Eagle3Proposer
@@ -28,10 +28,10 @@ class Eagle3Family(Family):
     draft_type = Eagle3Draft
     config_type = Eagle3Config
     not_saved = ("embed_tokens.weight",)  # the target's, frozen and large: restored from the target
-    layouts: ClassVar[dict[str, Layout]] = {
-        "speculators": SpeculatorsLayout(),
-        "sglang": SGLangLayout(),
-        "gguf": GGUFLayout(),
+    formats: ClassVar[dict[str, ExportFormat]] = {
+        "speculators": SpeculatorsFormat(),
+        "sglang": SGLangFormat(),
+        "gguf": GGUFFormat(),
     }
 
     def config_from_dict(self, saved: dict[str, Any]) -> Eagle3Config:
@@ -101,10 +101,10 @@ class Eagle3Family(Family):
     def proposer(self, draft: Eagle3Draft, target: Target) -> Eagle3Proposer:
         return Eagle3Proposer(draft)
 
-    def card_rows(self, draft: Eagle3Draft, layout: str, k: int) -> list[tuple[str, str]]:
+    def card_rows(self, draft: Eagle3Draft, fmt: str, k: int) -> list[tuple[str, str]]:
         cfg = draft.config
         ids = f"{cfg.aux_layer_ids} (the residual stream entering layer k, as vLLM counts)"
-        if layout == "sglang":
+        if fmt == "sglang":
             ids += f"; written as {[i - 1 for i in cfg.aux_layer_ids]} in `eagle_config`, as SGLang counts"
         return [
             ("target states read", ids),

@@ -1,4 +1,4 @@
-"""The two layouts engines load an EAGLE-3 draft from, each written and read back here.
+"""The two formats engines load an EAGLE-3 draft from, each written and read back here.
 
 speculators / vLLM (`vllm serve <dir>`; also what the `speculators` library loads):
 
@@ -10,7 +10,7 @@ speculators / vLLM (`vllm serve <dir>`; also what the `speculators` library load
 
     EAGLE-3.1's switches are written as trained: `norm_before_fc` (vLLM and llama.cpp's converter build
     `input_norm` from it) and `norm_output` (vLLM feeds the post-norm output back; llama.cpp ignores it, so the
-    gguf layout refuses such a draft). `fc_norm` (a norm per target state) is not trained here: always false.
+    gguf format refuses such a draft). `fc_norm` (a norm per target state) is not trained here: always false.
 
     Aux layer ids there count like ours and vLLM's (id k = the residual stream entering layer k). A missing
     `norm_before_residual` means true, as vLLM reads it.
@@ -44,10 +44,10 @@ import transformers
 from transformers import LlamaConfig
 
 from speculators_train.errors import UserError
-from speculators_train.families.base import Layout
+from speculators_train.families.base import ExportFormat
 from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft, check_layer, checked_config
 from speculators_train.families.eagle3.settings import SGLANG_LACKS
-from speculators_train.families.layouts import (
+from speculators_train.families.format_common import (
     SPECULATORS_VERSION,
     dict_field,
     export_tensors,
@@ -154,7 +154,7 @@ def load_eagle3(
     draft_type: type[Eagle3Draft] = Eagle3Draft,
 ) -> tuple[Eagle3Draft, bool]:
     """The draft (`draft_type`, an Eagle3Draft or a draft extending it) holding `weights` (names in our = the
-    speculators layout; `spell` gives the file's) once they fit `config`, and whether they carried `embed_tokens`.
+    speculators format; `spell` gives the file's) once they fit `config`, and whether they carried `embed_tokens`.
     A full-vocabulary draft may ship no d2t: its map is the identity."""
     if "d2t" not in weights and config.draft_vocab_size == config.target_vocab_size:
         weights = {**weights, "d2t": torch.zeros(config.draft_vocab_size, dtype=torch.int64)}
@@ -199,7 +199,7 @@ def sglang_config(config: Eagle3Config, dtype: str) -> dict[str, Any]:
 
 
 def weight_name(name: str) -> str:
-    """Our (speculators-layout) weight name -> SGLang's."""
+    """Our (speculators-format) weight name -> SGLang's."""
     return "midlayer." + name[len("layers.0.") :] if name.startswith("layers.0.") else name
 
 
@@ -239,7 +239,7 @@ def load_sglang_eagle3(path: Path, config: dict[str, Any], target_num_layers: in
     return load_eagle3(cfg, renamed, source, config_file, weight_name)
 
 
-class SpeculatorsLayout(Layout):
+class SpeculatorsFormat(ExportFormat):
     name = "speculators"
     engines = "vLLM (`vllm serve`) and the `speculators` library"
 
@@ -261,7 +261,7 @@ class SpeculatorsLayout(Layout):
         return [f"vllm serve {shlex.quote(str(out))}", vllm_serve(verifier, self.vllm_speculative_config(out, k))]
 
 
-class SGLangLayout(Layout):
+class SGLangFormat(ExportFormat):
     name = "sglang"
     engines = "SGLang (EAGLE3)"
 

@@ -1,8 +1,8 @@
-"""The llama.cpp layout of an EAGLE-3 draft: `draft.gguf`, which `llama-server` loads next to the target's GGUF.
+"""The llama.cpp format of an EAGLE-3 draft: `draft.gguf`, which `llama-server` loads next to the target's GGUF.
 
     <out>/draft.gguf    arch `eagle3`: the draft layer, fc, norm, lm_head, d2t as absolute target ids (llama.cpp's
                         own converter writes it from the speculators files beside it)
-    <out>/config.json, model.safetensors, tokenizer files: the speculators layout it was converted from, which
+    <out>/config.json, model.safetensors, tokenizer files: the speculators format it was converted from, which
                         every stage here reads back
 
 What llama.cpp does with it (SPEC.md section 10), and why the writer refuses some drafts:
@@ -20,8 +20,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from speculators_train.engines import llamacpp
-from speculators_train.families.eagle3.formats import SpeculatorsLayout
+from speculators_train.engines.llamacpp.converter import convert
+from speculators_train.families.eagle3.formats import SpeculatorsFormat
 from speculators_train.families.eagle3.model import Eagle3Draft
 
 DRAFT_FILE = "draft.gguf"
@@ -36,13 +36,13 @@ def draft_args(draft: str, k: int, p_min: float = 0.0) -> list[str]:
     ]  # fmt: skip
 
 
-class GGUFLayout(SpeculatorsLayout):
+class GGUFFormat(SpeculatorsFormat):
     name = "gguf"
     engines = "llama.cpp (`llama-server --spec-type draft-eagle3`)"
     target_file = True
 
     def detect(self, config: dict[str, Any]) -> bool:
-        return False  # the directory's config.json is the speculators one, read back as that layout
+        return False  # the directory's config.json is the speculators one, read back as that format
 
     def unsupported(self, draft: Eagle3Draft) -> list[str]:
         ids = draft.config.aux_layer_ids
@@ -58,7 +58,7 @@ class GGUFLayout(SpeculatorsLayout):
         return out
 
     def finish(self, out: Path, target_dir: Path, dtype: str) -> None:
-        llamacpp.convert(out, out / DRAFT_FILE, OUTTYPES[dtype], target_dir=target_dir)
+        convert(out, out / DRAFT_FILE, OUTTYPES[dtype], target_dir=target_dir)
 
     def server_args(self, out: Path, k: int, p_min: float) -> list[str]:
         return draft_args(str(out / DRAFT_FILE), k, p_min)

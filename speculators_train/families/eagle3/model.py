@@ -36,7 +36,7 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
-from speculators_train.families.layouts import (
+from speculators_train.families.format_common import (
     MAX_HIDDEN,
     MAX_INTERMEDIATE,
     MAX_LAYERS,
@@ -156,7 +156,7 @@ def check_layer(layer: dict[str, Any], prefix: str = "") -> None:
 
 def checked_config(values: dict[str, Any], keys: dict[str, str] | None = None) -> Eagle3Config:
     """An Eagle3Config from `values` (its fields, as read from a file), each typed and in range first. ValueError
-    names a field as the file spells it: `keys` maps a field to that spelling where it differs (export layouts)."""
+    names a field as the file spells it: `keys` maps a field to that spelling where it differs (export formats)."""
     name = spelling(values, Eagle3Config, keys)
     layer = dict_field(values, "layer_config", name=name("layer_config"))
     check_layer(layer, f"{name('layer_config')}." if name("layer_config") else "")
@@ -290,7 +290,7 @@ class DraftCache:
 
 
 class Eagle3Draft(nn.Module):
-    """Weight names follow the speculators/vLLM layout (`fc`, `layers.0.*`, `norm`, `lm_head`, `d2t`, `t2d`, and
+    """Weight names follow the speculators/vLLM format (`fc`, `layers.0.*`, `norm`, `lm_head`, `d2t`, `t2d`, and
     `input_norm` with norm_before_fc)."""
 
     def __init__(self, config: Eagle3Config) -> None:

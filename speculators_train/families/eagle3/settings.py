@@ -23,7 +23,7 @@ class Settings(FamilySettings):
     )
     loss: Divergence = Field("ce", description="ce (soft cross-entropy) or another divergence; see README.")
 
-    formats: ClassVar[tuple[str, ...]] = ("speculators", "sglang", "gguf")
+    format_names: ClassVar[tuple[str, ...]] = ("speculators", "sglang", "gguf")
 
     def recipe_problems(self, recipe: Any) -> list[str]:
         problems = []

@@ -1,5 +1,5 @@
 """Medusa heads as a registered family: they read the target's last hidden state, train one loss per head, and
-export in vLLM's Medusa layout; their measured tree comes from each checkpoint's held-out rank accuracies."""
+export in vLLM's Medusa format; their measured tree comes from each checkpoint's held-out rank accuracies."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 import torch
 
 from speculators_train.errors import UserError
-from speculators_train.families.base import Family, Layout
-from speculators_train.families.medusa.formats import MedusaLayout
+from speculators_train.families.base import ExportFormat, Family
+from speculators_train.families.medusa.formats import MedusaFormat
 from speculators_train.families.medusa.model import MedusaConfig, MedusaDraft, checked_config
 from speculators_train.families.medusa.objective import MedusaObjective
 from speculators_train.families.medusa.proposer import MedusaProposer, measured_tree
@@ -48,7 +48,7 @@ class MedusaFamily(Family):
     columns = ("loss", "full_acc", "cond_acc", "top1_acc", "top5_acc")
     draft_type = MedusaDraft
     config_type = MedusaConfig
-    layouts: ClassVar[dict[str, Layout]] = {"speculators": MedusaLayout()}
+    formats: ClassVar[dict[str, ExportFormat]] = {"speculators": MedusaFormat()}
 
     def config_from_dict(self, saved: dict[str, Any]) -> MedusaConfig:
         return checked_config(saved)
@@ -99,7 +99,7 @@ class MedusaFamily(Family):
         paths = measured_tree(rank_accuracies(checkpoint, depth), tree.budget)
         return TreeSpec(tree.top_k, depth, tree.budget, paths)
 
-    def card_rows(self, draft: MedusaDraft, layout: str, k: int) -> list[tuple[str, str]]:
+    def card_rows(self, draft: MedusaDraft, fmt: str, k: int) -> list[tuple[str, str]]:
         cfg = draft.config
         return [
             ("target states read", "the last decoder layer's output after the final norm"),

@@ -1,4 +1,4 @@
-"""The Medusa layout: one directory that vLLM's Medusa loader and a speculators-style reader both take.
+"""The Medusa format: one directory that vLLM's Medusa loader and a speculators-style reader both take.
 
     config.json         model_type "medusa", architectures ["MedusaModel"], hidden_size, vocab_size and
                         truncated_vocab_size (both the target's), num_heads, num_hidden_layers (blocks per head),
@@ -31,8 +31,8 @@ import torch
 import transformers
 
 from speculators_train.errors import UserError
-from speculators_train.families.base import Layout
-from speculators_train.families.layouts import (
+from speculators_train.families.base import ExportFormat
+from speculators_train.families.format_common import (
     DTYPES,
     SPECULATORS_VERSION,
     bool_field,
@@ -163,7 +163,7 @@ def load_medusa(path: Path, config: dict[str, Any]) -> MedusaDraft:
     return load_checked(lambda: MedusaDraft(cfg), weights, source, config_file)
 
 
-class MedusaLayout(Layout):
+class MedusaFormat(ExportFormat):
     name = "speculators"
     engines = "vLLM releases with the `medusa` method (`MedusaModel`), and speculators-style readers"
 

@@ -5,7 +5,7 @@
              head h predicts token t+2+h (the target's own lm_head gives t+1)
 
 Blocks start at zero, so every head starts as the target's lm_head restricted to the draft vocabulary (the same
-reduced vocabulary and d2t/t2d maps as EAGLE-3). Weight names follow vLLM's Medusa layout:
+reduced vocabulary and d2t/t2d maps as EAGLE-3). Weight names follow vLLM's Medusa format:
 `blocks.{h}.layers.{l}.weight/.bias`, `lm_heads.{h}.weight`.
 """
 
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculators_train.families.layouts import MAX_HIDDEN, MAX_LAYERS, MAX_VOCAB, int_field, spelling
+from speculators_train.families.format_common import MAX_HIDDEN, MAX_LAYERS, MAX_VOCAB, int_field, spelling
 from speculators_train.families.medusa.settings import MAX_BLOCKS, MAX_HEADS
 from speculators_train.families.vocab import first_ids
 
@@ -44,7 +44,7 @@ class MedusaConfig:
 
 def checked_config(values: dict[str, Any], keys: dict[str, str] | None = None) -> MedusaConfig:
     """A MedusaConfig from `values` (its fields, as read from a file), each typed and in range first. ValueError
-    names a field as the file spells it: `keys` maps a field to that spelling where it differs (vLLM's layout)."""
+    names a field as the file spells it: `keys` maps a field to that spelling where it differs (vLLM's format)."""
     name = spelling(values, MedusaConfig, keys)
     target_vocab = int_field(values, "target_vocab_size", 1, MAX_VOCAB, name=name("target_vocab_size"))
     return MedusaConfig(

@@ -1,5 +1,5 @@
 """P-EAGLE as a registered family: the EAGLE-3 draft's shape and target states, one forward for every depth, and
-the speculators layout vLLM serves with parallel drafting."""
+the speculators format vLLM serves with parallel drafting."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Any, ClassVar
 import torch
 
 from speculators_train.errors import UserError
-from speculators_train.families.base import Layout
+from speculators_train.families.base import ExportFormat
 from speculators_train.families.eagle3.family import Eagle3Family
 from speculators_train.families.eagle3.model import Eagle3Config
-from speculators_train.families.peagle.formats import PEagleLayout
+from speculators_train.families.peagle.formats import PEagleFormat
 from speculators_train.families.peagle.model import PEagleConfig, PEagleDraft, checked_peagle_config
 from speculators_train.families.peagle.objective import PEagleObjective
 from speculators_train.families.peagle.proposer import PEagleProposer
@@ -39,7 +39,7 @@ class PEagleFamily(Eagle3Family):
     draft_type = PEagleDraft
     config_type = PEagleConfig
     not_saved = ("embed_tokens.weight",)  # the target's, frozen; the trained mask row is `mask_embedding`
-    layouts: ClassVar[dict[str, Layout]] = {"speculators": PEagleLayout()}
+    formats: ClassVar[dict[str, ExportFormat]] = {"speculators": PEagleFormat()}
 
     def config_from_dict(self, saved: dict[str, Any]) -> PEagleConfig:
         return checked_peagle_config(saved)
@@ -93,7 +93,7 @@ class PEagleFamily(Eagle3Family):
     def max_draft_tokens(self, draft: PEagleDraft) -> int:
         return draft.config.depths
 
-    def card_rows(self, draft: PEagleDraft, layout: str, k: int) -> list[tuple[str, str]]:
+    def card_rows(self, draft: PEagleDraft, fmt: str, k: int) -> list[tuple[str, str]]:
         cfg = draft.config
         return [
             ("target states read", f"{cfg.aux_layer_ids} (the residual stream entering layer k, as vLLM counts)"),

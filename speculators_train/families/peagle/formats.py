@@ -1,4 +1,4 @@
-"""The layout engines load a P-EAGLE draft from: speculators' PEagleSpeculator, which vLLM serves with parallel
+"""The format engines load a P-EAGLE draft from: speculators' PEagleSpeculator, which vLLM serves with parallel
 drafting (written and read back here).
 
     config.json         as the EAGLE-3 speculators config, with speculators_model_type "peagle",
@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from speculators_train.errors import UserError
-from speculators_train.families.base import Layout
+from speculators_train.families.base import ExportFormat
 from speculators_train.families.eagle3.formats import load_eagle3, speculators_config, speculators_fields
-from speculators_train.families.layouts import export_tensors, proposal_config, read_weights, vllm_serve
+from speculators_train.families.format_common import export_tensors, proposal_config, read_weights, vllm_serve
 from speculators_train.families.peagle.model import PEagleConfig, PEagleDraft, checked_peagle_config
 from speculators_train.loading import reading
 
@@ -69,7 +69,7 @@ def load_peagle(path: Path, config: dict[str, Any], target_num_layers: int) -> t
     return load_eagle3(cfg, weights, source, config_file, draft_type=PEagleDraft)
 
 
-class PEagleLayout(Layout):
+class PEagleFormat(ExportFormat):
     name = "speculators"
     engines = "vLLM (`vllm serve`, parallel drafting) and the `speculators` library"
 

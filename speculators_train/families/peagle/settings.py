@@ -31,7 +31,7 @@ class Settings(FamilySettings):
     norm_before_fc: bool = Field(False, description="EAGLE-3.1: RMSNorm over the concatenated target states before fc.")
     loss: Divergence = Field("forward_kl", description="The paper's KL(target || draft), or another divergence.")
 
-    formats: ClassVar[tuple[str, ...]] = ("speculators",)  # vLLM only: SGLang and llama.cpp run no P-EAGLE
+    format_names: ClassVar[tuple[str, ...]] = ("speculators",)  # vLLM only: SGLang and llama.cpp run no P-EAGLE
 
     def recipe_problems(self, recipe: Any) -> list[str]:
         problems = []

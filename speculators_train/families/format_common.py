@@ -1,4 +1,4 @@
-"""What every family's draft readers and export layouts share: the `speculators_config` block, reading safetensors
+"""What every family's draft readers and export formats share: the `speculators_config` block, reading safetensors
 weights, the checks every draft file passes before its module is built, and float weights in the export dtype
 with the vocabulary maps kept integer.
 
@@ -50,7 +50,7 @@ def shown(value: Any) -> str:
 
 def spelling(values: dict[str, Any], config_type: type, keys: dict[str, str] | None) -> Callable[[str], str]:
     """How a file spells each field of `config_type` (`keys` maps a field to its spelling where it differs, as in an
-    export layout); refuses fields the config does not have."""
+    export format); refuses fields the config does not have."""
     unknown = sorted(set(values) - {f.name for f in dataclasses.fields(config_type)})
     if unknown:
         raise ValueError(f"unknown keys {unknown}")
@@ -134,7 +134,7 @@ def proposal_config(
 
 
 def vllm_serve(verifier: str, speculative_config: dict[str, Any]) -> str:
-    """The `vllm serve` line for a layout's `vllm_speculative_config` (the offline `LLM(...)` takes the same dict)."""
+    """The `vllm serve` line for a format's `vllm_speculative_config` (the offline `LLM(...)` takes the same dict)."""
     return f"vllm serve {shlex.quote(verifier)} --speculative-config {shlex.quote(json.dumps(speculative_config))}"
 
 
