@@ -29,6 +29,55 @@ def tokenizer(target):
     return target.tokenizer
 
 
+# The verify loop's shared inputs, made once per session: two real chat prompts, the target's own greedy replies
+# to them, and a deliberately bad EAGLE-3 draft (the real architecture, random weights).
+QUESTIONS = [
+    "Explain what a hash table is in two sentences.",
+    "Write a Python function that reverses a string.",
+]
+
+
+def chat(target, text: str) -> list[int]:
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@pytest.fixture(scope="session")
+def prompts(target):
+    return [chat(target, q) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="session")
+def references(target, prompts):
+    """The target's own greedy continuations (40 tokens, EOS kept)."""
+    from speculators_train.proposal import Sampling
+    from speculators_train.verify.decoder import decode_plain
+    from speculators_train.verify.run import eos_ids
+
+    return [decode_plain(target, p, 40, eos_ids(target), Sampling()).tokens for p in prompts]
+
+
+@pytest.fixture(scope="session")
+def random_draft(target):
+    """Vocabulary from the first 1024 ids; tests that change it work on a copy."""
+    import torch
+
+    from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
+    from speculators_train.families.vocab import build_vocab_mapping
+
+    torch.manual_seed(0)
+    config = Eagle3Config.for_target(target.config, target.aux_layer_ids, 1024, False)
+    draft = Eagle3Draft(config)
+    freq = torch.zeros(target.vocab_size)
+    freq[:1024] = 1
+    d2t, t2d = build_vocab_mapping(freq, 1024)
+    with torch.no_grad():
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+        draft.embed_tokens.weight.copy_(target.embed_tokens.weight)
+    return draft.eval()
+
+
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
@@ -103,3 +152,16 @@ def fit(target, tmp: Path, family: str = "eagle3", **settings):
         opt.step()
     checkpoint = save_checkpoint(tmp / "ckpt", 1, draft.eval(), None, {"step": 1}, keep_last=1)
     return recipe, checkpoint, prompt, full[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def states(tmp_path_factory, target):
+    """Stored hidden states of 20 real ShareGPT records (<=128 tokens each), generated once for every test that
+    trains on them (each copies them into its own run directory)."""
+    from speculators_train.hidden_states.generator import generate
+    from speculators_train.recipe import load_recipe
+
+    sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}]
+    recipe = load_recipe(make_recipe(tmp_path_factory.mktemp("states"), sources))
+    generate(recipe)
+    return recipe.hidden_states_dir

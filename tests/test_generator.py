@@ -26,10 +26,10 @@ from speculators_train.packed import available
 from speculators_train.recipe import load_recipe
 from speculators_train.training.sources import OfflineSource
 
+from .children import CLI, Child, run_python
 from .conftest import REPO, SHAREGPT, make_recipe
 
 pytestmark = pytest.mark.slow
-CLI = [sys.executable, "-m", "speculators_train"]
 
 
 def shard_tensors(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -185,7 +185,7 @@ def test_kill_minus_9_then_rerun_gives_the_same_shards(tmp_path):
     killed = make_recipe(tmp_path / "killed", sources, generation=gen)
     clean = make_recipe(tmp_path / "clean", sources, generation=gen)
     progress = tmp_path / "killed" / "run" / "hidden_states" / "progress" / "rank000.json"
-    proc = subprocess.Popen([*CLI, "generate", str(killed)], cwd=REPO, stderr=subprocess.DEVNULL)
+    proc = Child(CLI, ["generate", killed], cwd=REPO)
     deadline = time.time() + 300
     while time.time() < deadline:
         if progress.is_file() and len(json.loads(progress.read_text())["shards"]["train"]) >= 2:
@@ -194,8 +194,8 @@ def test_kill_minus_9_then_rerun_gives_the_same_shards(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "killed" / "run" / "hidden_states" / "manifest.json").exists(), "run ended before the kill"
-    subprocess.run([*CLI, "generate", str(killed)], cwd=REPO, check=True, capture_output=True)
-    subprocess.run([*CLI, "generate", str(clean)], cwd=REPO, check=True, capture_output=True)
+    run_python(CLI, ["generate", killed], cwd=REPO).check_returncode()
+    run_python(CLI, ["generate", clean], cwd=REPO).check_returncode()
     killed_dir = tmp_path / "killed" / "run" / "hidden_states"
     assert_same_shards(killed_dir, tmp_path / "clean" / "run" / "hidden_states")
     assert validate(killed_dir) == []
@@ -244,7 +244,7 @@ def test_full_disk_gives_a_clear_error_and_leaves_no_partial_file(tmp_path, monk
 def test_cli_reports_bad_recipe_without_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ndata: {mix: m.yaml}\ngeneration: {samples_per_shrad: 3}\n")
-    result = subprocess.run([*CLI, "generate", str(bad)], cwd=REPO, capture_output=True, text=True)
+    result = run_python(CLI, ["generate", bad], cwd=REPO)
     assert result.returncode == 2
     assert "generation.samples_per_shrad: unknown key (did you mean samples_per_shard?)" in result.stderr
     assert "Traceback" not in result.stderr

@@ -23,7 +23,7 @@ from speculators_train.verify.run import eos_ids, load_draft_for
 
 from .conftest import SHAREGPT, make_recipe
 from .test_sampling_rules import tv, tv_threshold
-from .test_verify import GREEDY, NoisyOracle, prompts, references  # noqa: F401  (fixtures)
+from .test_verify import GREEDY, NoisyOracle
 
 pytestmark = pytest.mark.slow
 HEADS = 3
@@ -62,7 +62,7 @@ TREES = {
 
 
 @pytest.mark.parametrize("shape", list(TREES))
-def test_greedy_medusa_output_is_the_targets_own(target, prompts, references, heads, shape):  # noqa: F811
+def test_greedy_medusa_output_is_the_targets_own(target, prompts, references, heads, shape):
     tree = TREES[shape]
     accepted = []
     for prompt, reference in zip(prompts, references, strict=True):
@@ -90,7 +90,7 @@ class RecordingOracle(NoisyOracle):
 
 
 @pytest.mark.parametrize("tree", [None, TreeSpec(top_k=2, depth=4, budget=8)], ids=["chain", "tree"])
-def test_heads_get_the_final_state_of_every_accepted_position(target, prompts, references, tree):  # noqa: F811
+def test_heads_get_the_final_state_of_every_accepted_position(target, prompts, references, tree):
     """After partial acceptance (and a tree's cache compaction) the state handed over for each committed position
     must be the target's own at that position; a Medusa proposer drafts from the last of them, whose lm_head
     token is the pending one, so head h proposes the token h+1 after it, as trained."""
@@ -104,7 +104,7 @@ def test_heads_get_the_final_state_of_every_accepted_position(target, prompts, r
         torch.testing.assert_close(row, final[position], rtol=1e-3, atol=1e-3)  # cached vs one-pass rounding
 
 
-def test_medusa_proposer_drafts_from_the_last_state_after_the_final_norm(target, prompts, heads):  # noqa: F811
+def test_medusa_proposer_drafts_from_the_last_state_after_the_final_norm(target, prompts, heads):
     ids = prompts[1]
     final = full_final_states(target, ids)
     proposer = MedusaProposer(heads, target.final_norm)
@@ -118,7 +118,7 @@ def test_medusa_proposer_drafts_from_the_last_state_after_the_final_norm(target,
         proposer.propose_chain(HEADS + 1, GREEDY, None)
 
 
-def test_sampled_medusa_proposals_come_from_the_distributions_they_report(target, prompts, heads):  # noqa: F811
+def test_sampled_medusa_proposals_come_from_the_distributions_they_report(target, prompts, heads):
     """Lossless rejection needs q to be exactly what each draft was drawn from: each head's softmax(logits / T),
     zero outside the draft vocabulary. 3000 draws of the first two heads are within 4x sampling noise of q. Drafting
     the argmax instead (the default, as engines do) reports no q: each draft is a point mass."""
@@ -156,7 +156,7 @@ def exported(tmp_path, heads):
 
 def test_medusa_export_is_the_vllm_medusa_format_and_reloads_to_the_same_proposals(
     target,
-    prompts,  # noqa: F811
+    prompts,
     heads,
     exported,
 ):
@@ -200,7 +200,7 @@ def test_medusa_export_is_the_vllm_medusa_format_and_reloads_to_the_same_proposa
         export(recipe, checkpoint, "sglang", result.path.parent / "sglang", "float32")
 
 
-def test_a_vllm_medusa_directory_made_elsewhere_loads(tmp_path, target, prompts, heads):  # noqa: F811
+def test_a_vllm_medusa_directory_made_elsewhere_loads(tmp_path, target, prompts, heads):
     """vLLM's other spellings: a `medusa_heads.` prefix, one shared lm_head (`original_lm_head`), bias-free blocks
     and the full vocabulary without token_map."""
     lm_head = target.lm_head.weight.detach()

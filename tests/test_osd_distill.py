@@ -17,7 +17,6 @@ from speculators_train.target import StateSpec
 from speculators_train.training.checkpoint import save_checkpoint
 
 from .conftest import SHAREGPT, make_recipe
-from .test_verify import random_draft  # noqa: F401  (fixture: the real architecture, random weights)
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +85,7 @@ def fresh_draft_on_logs(tmp_path, target, settings: dict, aux_layer_ids: list[in
 
 
 @pytest.fixture
-def setup(tmp_path, random_draft):  # noqa: F811
+def setup(tmp_path, random_draft):
     init = save_checkpoint(tmp_path / "init", 1, random_draft, None, {"step": 1}, keep_last=1)
     logs = tmp_path / "logs"
     logs.mkdir()

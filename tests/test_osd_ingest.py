@@ -5,7 +5,6 @@ exactly-once under kill -9 and reruns."""
 import json
 import random
 import signal
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -17,6 +16,7 @@ from speculators_train.errors import UserError
 from speculators_train.osd.ingest import LogIngestor
 from speculators_train.osd.redact import Redactor
 
+from .children import run_python
 from .conftest import SHAREGPT, make_recipe
 
 CHAT = {"messages": [{"role": "user", "content": "Sort a list in Python?"}], "response": "Use sorted(xs)."}
@@ -181,7 +181,7 @@ def test_exactly_once_under_kill_minus_9_and_reruns(tmp_path):
         if round_ == 6:
             write(logs / "c.jsonl", lines[1200:])
         die_at = rng.randint(1, 400)
-        proc = subprocess.run([sys.executable, "-c", WORKER, str(logs), str(root), str(die_at)], timeout=120)
+        proc = run_python(WORKER, [logs, root, die_at], timeout=120)
         assert proc.returncode in (0, -signal.SIGKILL)
         kills += proc.returncode == -signal.SIGKILL
     assert kills >= 6

@@ -23,10 +23,10 @@ from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain
 from speculators_train.verify.run import eos_ids, load_draft_for
 
-from .conftest import SHAREGPT, make_recipe
+from .conftest import SHAREGPT, chat, make_recipe
 from .test_osd_distill import fresh_draft_on_logs
 from .test_sampling_rules import tv, tv_threshold
-from .test_verify import GREEDY, chat
+from .test_verify import GREEDY
 
 MASK_ID = 2
 
@@ -311,17 +311,6 @@ def test_peagle_export_refusals_name_what_is_wrong(tmp_path, target, draft):
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match="mask_token_id"):
         load_draft_for(target, out)
-
-
-@pytest.fixture(scope="module")
-def states(tmp_path_factory, target):
-    from speculators_train.hidden_states.generator import generate
-
-    recipe = load_recipe(
-        make_recipe(tmp_path_factory.mktemp("states"), [{"name": "s", "path": SHAREGPT, "max_records": 20}])
-    )
-    generate(recipe)
-    return recipe.hidden_states_dir
 
 
 @pytest.mark.slow

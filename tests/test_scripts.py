@@ -1,11 +1,22 @@
 """The eval/ scripts answer bad input the way the CLI does: one line naming the problem, exit 2, no traceback."""
 
-import subprocess
+import runpy
 import sys
 
 import pytest
 
 from .conftest import REPO
+
+
+def run_script(name: str, argv: list[str], capsys, monkeypatch) -> tuple[int, str]:
+    """Run eval/`name` as `python eval/name ARGV...` would, in this process (its imports are already loaded)."""
+    path = REPO / "eval" / name
+    monkeypatch.setattr(sys, "argv", [str(path), *argv])
+    monkeypatch.chdir(REPO)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(path), run_name="__main__")
+    return done.value.code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -18,12 +29,10 @@ from .conftest import REPO
         ("--set=oops", "--set 'oops': expected KEY=VALUE"),
     ],
 )
-def test_a_bad_recipe_override_is_one_line_and_exit_2(script, option, message):
-    done = subprocess.run(
-        [sys.executable, str(REPO / "eval" / script), option], capture_output=True, text=True, cwd=REPO, timeout=300
-    )
-    assert done.returncode == 2, done.stderr
-    assert message in done.stderr and "Traceback" not in done.stderr
+def test_a_bad_recipe_override_is_one_line_and_exit_2(script, option, message, capsys, monkeypatch):
+    code, err = run_script(script, [option], capsys, monkeypatch)
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize(
@@ -34,14 +43,8 @@ def test_a_bad_recipe_override_is_one_line_and_exit_2(script, option, message):
         ("ttt;draft.ttt_steps", "--set 'draft.ttt_steps': expected KEY=VALUE"),
     ],
 )
-def test_a_bad_quality_variant_is_one_line_and_exit_2(variant, message, tmp_path):
+def test_a_bad_quality_variant_is_one_line_and_exit_2(variant, message, capsys, monkeypatch):
     """Variants are checked before anything trains (the slice is not generated for a typo either)."""
-    done = subprocess.run(
-        [sys.executable, str(REPO / "eval" / "bench_quality.py"), "--variant", variant, "--steps", "1"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-    )
-    assert done.returncode == 2, done.stderr
-    assert message in done.stderr and "Traceback" not in done.stderr
+    code, err = run_script("bench_quality.py", ["--variant", variant, "--steps", "1"], capsys, monkeypatch)
+    assert code == 2, err
+    assert message in err and "Traceback" not in err

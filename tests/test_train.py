@@ -15,14 +15,13 @@ import torch
 from safetensors.torch import load_file
 
 from speculators_train.errors import UserError
-from speculators_train.hidden_states.generator import generate
 from speculators_train.recipe import load_recipe
 from speculators_train.training.trainer import Trainer
 
+from .children import CLI, Child, run_python
 from .conftest import REPO, SHAREGPT, make_recipe
 
 pytestmark = pytest.mark.slow
-CLI = [sys.executable, "-m", "speculators_train"]
 TRAIN = {
     "batch_size": 4,
     "learning_rate": 3e-3,
@@ -31,15 +30,6 @@ TRAIN = {
     "warmup_ratio": 0.0,
 }
 EAGLE3 = {"family": "eagle3", "draft_vocab_size": 1024, "ttt_steps": 3}
-
-
-@pytest.fixture(scope="module")
-def states(tmp_path_factory, target):
-    """Hidden states of 20 real ShareGPT records (<=128 tokens each), generated once for this module."""
-    tmp = tmp_path_factory.mktemp("states")
-    recipe = load_recipe(make_recipe(tmp, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}]))
-    generate(recipe)
-    return recipe.hidden_states_dir
 
 
 def run_recipe(tmp_path: Path, states: Path, **sections) -> Path:
@@ -85,11 +75,9 @@ def test_killed_run_resumes_with_the_same_loss_curve(tmp_path, states):
     settings = {"training": {"epochs": 4, "save_every_steps": 1}}
     clean = run_recipe(tmp_path / "clean", states, **settings)
     killed = run_recipe(tmp_path / "killed", states, **settings)
-    subprocess.run([*CLI, "train", str(clean)], cwd=REPO, check=True, capture_output=True)
+    run_python(CLI, ["train", clean], cwd=REPO).check_returncode()
     latest = tmp_path / "killed" / "run" / "train" / "checkpoints" / "latest.json"
-    proc = subprocess.Popen(
-        [*CLI, "train", str(killed)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    proc = Child(CLI, ["train", killed], cwd=REPO)
     deadline = time.time() + 300
     while time.time() < deadline and not (latest.is_file() and json.loads(latest.read_text())["step"] >= 3):
         time.sleep(0.05)
@@ -97,7 +85,7 @@ def test_killed_run_resumes_with_the_same_loss_curve(tmp_path, states):
     proc.wait()
     expected = losses(tmp_path / "clean" / "run")
     assert json.loads(latest.read_text())["step"] < max(expected), "the run finished before it was killed"
-    subprocess.run([*CLI, "train", str(killed)], cwd=REPO, check=True, capture_output=True)
+    run_python(CLI, ["train", killed], cwd=REPO).check_returncode()
     got = losses(tmp_path / "killed" / "run")
     assert got.keys() == expected.keys()
     for step in expected:
@@ -120,7 +108,7 @@ def two_ranks(recipe: Path) -> None:
 def single_rank_losses(tmp_path_factory, states):
     tmp = tmp_path_factory.mktemp("one")
     one = run_recipe(tmp, states, training={"epochs": 2, "batch_size": 4})
-    subprocess.run([*CLI, "train", str(one)], cwd=REPO, check=True, capture_output=True)
+    run_python(CLI, ["train", one], cwd=REPO).check_returncode()
     return losses(tmp / "run")
 
 

@@ -13,7 +13,6 @@ from transformers import LlamaConfig
 from speculators_train.errors import UserError
 from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.eagle3.proposer import Eagle3Proposer
-from speculators_train.families.vocab import build_vocab_mapping
 from speculators_train.packed import available, packed_linears
 from speculators_train.proposal import DraftTree, Sampling, TreeSpec
 from speculators_train.recipe import load_recipe
@@ -25,47 +24,11 @@ from speculators_train.verify.run import eos_ids, load_draft_for
 from speculators_train.verify.sampling import target_probs
 from speculators_train.verify.suites import load_suite
 
-from .conftest import REPO, SHAREGPT, make_recipe
+from .conftest import REPO, SHAREGPT, chat, make_recipe
 from .test_sampling_rules import tv, tv_threshold
 
 pytestmark = pytest.mark.slow
 GREEDY = Sampling()
-QUESTIONS = [
-    "Explain what a hash table is in two sentences.",
-    "Write a Python function that reverses a string.",
-]
-
-
-def chat(target, text: str) -> list[int]:
-    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-@pytest.fixture(scope="module")
-def prompts(target):
-    return [chat(target, q) for q in QUESTIONS]
-
-
-@pytest.fixture(scope="module")
-def references(target, prompts):
-    """The target's own greedy continuations (40 tokens, EOS kept)."""
-    return [decode_plain(target, p, 40, eos_ids(target), GREEDY).tokens for p in prompts]
-
-
-@pytest.fixture(scope="module")
-def random_draft(target):
-    """A deliberately bad draft: the real EAGLE-3 architecture with random weights, vocab from common tokens."""
-    torch.manual_seed(0)
-    config = Eagle3Config.for_target(target.config, target.aux_layer_ids, 1024, False)
-    draft = Eagle3Draft(config)
-    freq = torch.zeros(target.vocab_size)
-    freq[:1024] = 1
-    d2t, t2d = build_vocab_mapping(freq, 1024)
-    with torch.no_grad():
-        draft.d2t.copy_(d2t)
-        draft.t2d.copy_(t2d)
-        draft.embed_tokens.weight.copy_(target.embed_tokens.weight)
-    return draft.eval()
 
 
 class NoisyOracle(OracleProposer):

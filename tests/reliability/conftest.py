@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from speculators_train.cli import main
+
+from ..children import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,14 +85,7 @@ def run_killed(die_at: int, argv: list[str], events: list[str] = (), timeout: in
     """Run the CLI in a child that SIGKILLs itself at event `die_at` (0: never). Returns (returncode, stderr);
     returncode is -SIGKILL when the kill happened."""
     env = {**os.environ, "SPECULATORS_TRAIN_FAULT_EVENTS": ",".join(events)}
-    proc = subprocess.run(
-        [sys.executable, "-c", KILLER, str(die_at), *map(str, argv)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    proc = run_python(KILLER, [die_at, *argv], env=env, cwd=REPO, timeout=timeout)
     assert proc.returncode in (0, -signal.SIGKILL), proc.stderr[-3000:]
     return proc.returncode, proc.stderr
 

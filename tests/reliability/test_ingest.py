@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from speculators_train.osd import redact
 from speculators_train.osd.ingest import LogIngestor
 from speculators_train.osd.redact import RULES, Redactor
 
+from ..children import run_python
 from ..conftest import SHAREGPT, make_recipe
 from .conftest import clean_error
 
@@ -56,9 +56,9 @@ def ids_once(ing: LogIngestor) -> list[int]:
 
 
 def in_child(code: str, timeout: float) -> str:
-    """Run `code` in a fresh interpreter; a hang fails the test at `timeout` instead of stalling the suite."""
+    """Run `code` in a child process; a hang fails the test at `timeout` instead of stalling the suite."""
     try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+        proc = run_python(code, timeout=timeout)
     except subprocess.TimeoutExpired:
         pytest.fail(f"still running after {timeout} s")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -743,9 +743,7 @@ if die_at == 0:
 
 
 def killed_pass(logs: Path, root: Path, die_at: int) -> int:
-    proc = subprocess.run(
-        [sys.executable, "-c", WORKER, str(logs), str(root), str(die_at)], capture_output=True, text=True, timeout=60
-    )
+    proc = run_python(WORKER, [logs, root, die_at], timeout=60)
     assert proc.returncode in (0, -signal.SIGKILL), proc.stderr[-3000:]
     return int(proc.stdout) if die_at == 0 else proc.returncode
 

@@ -8,16 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
 from speculators_train.training.checkpoint import save_checkpoint
 
+from ..children import run_python
 from ..conftest import SHAREGPT, make_recipe
 from ..test_osd_distill import log_lines
-from ..test_verify import random_draft  # noqa: F401  (fixture: the real architecture, random weights)
 from .conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -85,7 +83,7 @@ def complete(version_dir) -> bool:
 @pytest.mark.timeout(2400)  # 15 OSD runs, one per commit window: past 900 s on a loaded 2-core CPU without AVX-512
 def test_a_run_killed_in_every_commit_window_serves_complete_versions_and_consumes_each_record_once(
     tmp_path,
-    random_draft,  # noqa: F811
+    random_draft,
 ):
     init = save_checkpoint(tmp_path / "init", 1, random_draft, None, {"step": 1}, keep_last=1)
     logs = tmp_path / "logs"
@@ -105,9 +103,7 @@ def test_a_run_killed_in_every_commit_window_serves_complete_versions_and_consum
     argv = ["osd", str(recipe), "--logs", str(logs)]
 
     def run(kind: str = "none", pattern: str = "^$") -> int:
-        proc = subprocess.run(
-            [sys.executable, "-c", KILLER, kind, pattern, *argv], cwd=REPO, capture_output=True, text=True, timeout=600
-        )
+        proc = run_python(KILLER, [kind, pattern, *argv], cwd=REPO, timeout=600)
         assert proc.returncode in (0, -signal.SIGKILL), proc.stderr[-3000:]
         return proc.returncode
 

@@ -17,9 +17,6 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from speculators_train.hidden_states.generator import generate
-from speculators_train.recipe import load_recipe
-
 from ..conftest import SHAREGPT, make_recipe
 from .conftest import clean_error, crash_windows, event_labels, run_cli, run_killed
 
@@ -41,18 +38,10 @@ DRAFT = {"family": "eagle3", "draft_vocab_size": 512, "ttt_steps": 2}
 EVENTS = ["speculators_train.training.trainer:Trainer._evaluate", "speculators_train.training.trainer:Trainer._log"]
 
 
-@pytest.fixture(scope="module")
-def states(tmp_path_factory, target):
-    tmp = tmp_path_factory.mktemp("states")
-    recipe = load_recipe(make_recipe(tmp, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 16}]))
-    generate(recipe)
-    return recipe.hidden_states_dir
-
-
 def run_dir(tmp_path: Path, states: Path, **training) -> Path:
     recipe = make_recipe(
         tmp_path,
-        [{"name": "sharegpt", "path": SHAREGPT, "max_records": 16}],
+        [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}],
         training={**TRAIN, **training},
         draft=DRAFT,
     )
