@@ -5,7 +5,7 @@ torch and transformers imports each time, seconds per child on a small CPU. Here
 multiprocessing fork server per test session that has already imported them (and nothing else has run in it: no
 threads, no model), so a child starts in milliseconds and still behaves like `python -c CODE ARGS...`: its own
 process, pid, environment, working directory, stdout and stderr, and a return code that is minus the signal when a
-signal ended it. The server imports these modules with the environment of the session's first child; children get
+signal ended it. The server imports `tests.preload` with the environment of the session's first child; children get
 the caller's environment at call time.
 """
 
@@ -20,19 +20,6 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-# What the CLI's stages import before they do any work (each import is seconds in a fresh interpreter).
-PRELOAD = [
-    "torch",
-    "transformers",
-    "speculators_train.cli",
-    "speculators_train.target",
-    "speculators_train.hidden_states.generator",
-    "speculators_train.training.trainer",
-    "speculators_train.verify.run",
-    "speculators_train.export.run",
-    "speculators_train.osd.distill",
-]
-
 _context: multiprocessing.context.ForkServerContext | None = None
 
 
@@ -40,7 +27,7 @@ def _server() -> multiprocessing.context.ForkServerContext:
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload([__name__, *PRELOAD])
+        _context.set_forkserver_preload([__name__, "tests.preload"])
     return _context
 
 

@@ -100,10 +100,15 @@ def event_labels(argv: list[str], events: list[str] = ()) -> list[str]:
     return labels
 
 
+def full_sweep() -> bool:
+    """SPECULATORS_TRAIN_CRASH_SWEEP=all: kill at every event (and OSD commit window), not one of each kind."""
+    return os.environ.get("SPECULATORS_TRAIN_CRASH_SWEEP") == "all"
+
+
 def crash_windows(labels: list[str], tail: int) -> list[int]:
     """Events (1-based) to kill at: all of them when SPECULATORS_TRAIN_CRASH_SWEEP=all, else the first of each
     kind (label) and the last `tail` (the run's final save and validation)."""
-    if os.environ.get("SPECULATORS_TRAIN_CRASH_SWEEP") == "all":
+    if full_sweep():
         return list(range(1, len(labels) + 1))
     first = {label: n for n, label in reversed(list(enumerate(labels, 1)))}
     return sorted(set(first.values()) | set(range(max(1, len(labels) - tail + 1), len(labels) + 1)))
