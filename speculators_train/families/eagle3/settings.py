@@ -21,7 +21,7 @@ class Settings(FamilySettings):
     norm_output: bool = Field(
         False, description="EAGLE-3.1: feed the post-norm output back between steps (vLLM; llama.cpp ignores it)."
     )
-    loss: Divergence = Field("ce", description="ce (soft cross-entropy) or another divergence; see README.")
+    loss: Divergence = Field("ce", description="ce (soft cross-entropy) or another divergence; see docs/families.md.")
 
     format_names: ClassVar[tuple[str, ...]] = ("speculators", "sglang", "gguf")
 
