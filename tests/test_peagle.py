@@ -313,6 +313,19 @@ def test_peagle_export_refusals_name_what_is_wrong(tmp_path, target, draft):
         load_draft_for(target, out)
 
 
+@pytest.fixture(scope="module")
+def states(tmp_path_factory, target):
+    """This module's own states (a source named "s"): the training test's margin was set on their split, which the
+    session's shared states (source "sharegpt") do not give."""
+    from speculators_train.hidden_states.generator import generate
+
+    recipe = load_recipe(
+        make_recipe(tmp_path_factory.mktemp("states"), [{"name": "s", "path": SHAREGPT, "max_records": 20}])
+    )
+    generate(recipe)
+    return recipe.hidden_states_dir
+
+
 @pytest.mark.slow
 def test_a_trained_peagle_draft_beats_its_start_verifies_exactly_and_exports(tmp_path, states):
     import shutil
