@@ -299,25 +299,30 @@ ADVERSARIAL = {
 
 
 def test_builtin_redaction_takes_linear_time_on_adversarial_text():
-    """Each adversarial text at 1 MB and 4 MB: time grows about 4x (a quadratic rule would take 16x, and hours)."""
+    """Each adversarial text at 256 KB and 2 MB: time grows about 8x (a quadratic rule would take 64x, and hours).
+    The best of two runs, and a bound of 32x: caches and a shared machine's neighbours stretch the larger run by up to
+    14x in measurements, which a bound of twice the linear ratio failed on."""
     code = f"""
 import base64, json, os, time
 from speculators_train.osd.redact import Redactor
 redact, out = Redactor([], True), {{}}
 for name, make in {ADVERSARIAL!r}.items():
     times = []
-    for n in (1 << 20, 4 << 20):
+    for n in (1 << 18, 2 << 20):
         text = eval(make)
-        start = time.perf_counter()
-        redact(text)
-        times.append(time.perf_counter() - start)
+        best = float("inf")
+        for _ in range(2):
+            start = time.perf_counter()
+            redact(text)
+            best = min(best, time.perf_counter() - start)
+        times.append(best)
     out[name] = times
 print(json.dumps(out))
 """
     times = json.loads(in_child(code, timeout=240))
     for name, (small, large) in times.items():
         assert large < 20, (name, small, large)
-        assert large / max(small, 0.05) < 8, (name, small, large)
+        assert large / max(small, 0.02) < 32, (name, small, large)
 
 
 def test_a_20_mb_token_line_is_ingested_in_linear_time(tmp_path):
