@@ -92,15 +92,15 @@ def test_a_run_killed_in_every_commit_window_serves_complete_versions_and_consum
     init = save_checkpoint(tmp_path / "init", 1, random_draft, None, {"step": 1}, keep_last=1)
     logs = tmp_path / "logs"
     logs.mkdir()
-    (logs / "day1.jsonl").write_text("\n".join(log_lines(tmp_path, 40)) + "\n")
-    osd = {"init_from": str(init), "update_interval": 20, "steps_per_update": 15, "learning_rate": 2e-3}
-    osd.update(held_out_fraction=0.25, general_records=4, buffer_size=12)
+    (logs / "day1.jsonl").write_text("\n".join(log_lines(tmp_path, 20)) + "\n")
+    osd = {"init_from": str(init), "update_interval": 10, "steps_per_update": 6, "learning_rate": 4e-3}
+    osd.update(held_out_fraction=0.25, general_records=2, buffer_size=6)
     recipe = make_recipe(
         tmp_path,
         [{"name": "sharegpt", "path": SHAREGPT, "max_records": 30}],
         osd=osd,
         draft={"family": "eagle3", "ttt_steps": 3},
-        eval={"num_speculative_tokens": 3, "max_new_tokens": 24},
+        eval={"num_speculative_tokens": 3, "max_new_tokens": 16},
         training={"wandb": {"mode": "disabled"}},
     )
     root = tmp_path / "run" / "osd"
@@ -126,9 +126,9 @@ def test_a_run_killed_in_every_commit_window_serves_complete_versions_and_consum
     assert run() == 0
 
     progress = json.loads((root / "progress.json").read_text())
-    assert (progress["consumed"], progress["records_seen"], progress["history_lines"]) == (40, 40, 2)
+    assert (progress["consumed"], progress["records_seen"], progress["history_lines"]) == (20, 20, 2)
     history = [json.loads(row) for row in (root / "history.jsonl").read_text().splitlines()]
-    assert [row["records_seen"] for row in history] == [20, 40]
+    assert [row["records_seen"] for row in history] == [10, 20]
     assert history[0]["promoted"], history[0]["reason"]
     version = progress["version"]
     assert sorted(p.name for p in (root / "versions").iterdir()) == [f"v{v:04d}" for v in range(version + 1)]
@@ -136,4 +136,4 @@ def test_a_run_killed_in_every_commit_window_serves_complete_versions_and_consum
     assert (root / "current").resolve() == (root / "versions" / f"v{version:04d}").resolve()
     assert not list(root.glob(".current-*"))
     entries = [json.loads(row) for s in sorted((root / "ingest" / "segments").iterdir()) for row in s.open()]
-    assert len(entries) == 40 and len({e["origin"] for e in entries}) == 40
+    assert len(entries) == 20 and len({e["origin"] for e in entries}) == 20
