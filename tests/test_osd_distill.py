@@ -89,22 +89,22 @@ def setup(tmp_path, random_draft):
     init = save_checkpoint(tmp_path / "init", 1, random_draft, None, {"step": 1}, keep_last=1)
     logs = tmp_path / "logs"
     logs.mkdir()
-    (logs / "day1.jsonl").write_text("\n".join(log_lines(tmp_path, 40)) + "\n")
+    (logs / "day1.jsonl").write_text("\n".join(log_lines(tmp_path, 20)) + "\n")
     osd = {
         "init_from": str(init),
-        "update_interval": 20,
-        "steps_per_update": 15,
-        "learning_rate": 2e-3,
+        "update_interval": 10,
+        "steps_per_update": 6,
+        "learning_rate": 4e-3,
         "held_out_fraction": 0.25,
-        "general_records": 4,
-        "buffer_size": 12,
+        "general_records": 2,
+        "buffer_size": 6,
     }
     recipe = make_recipe(
         tmp_path,
         [{"name": "sharegpt", "path": SHAREGPT, "max_records": 30}],
         osd=osd,
         draft={"family": "eagle3", "ttt_steps": 3},
-        eval={"num_speculative_tokens": 3, "max_new_tokens": 24},
+        eval={"num_speculative_tokens": 3, "max_new_tokens": 16},
         training={"wandb": {"mode": "offline"}},
     )
     return load_recipe(recipe), logs
@@ -115,7 +115,7 @@ def test_distillation_promotes_a_better_draft_refuses_a_worse_one_and_resumes(tm
     root = recipe.run_dir / "osd"
     first_run = OnlineDistiller(recipe, logs, target)
     history = first_run.run()
-    assert [r["records_seen"] for r in history] == [20, 40]  # two full windows of update_interval records
+    assert [r["records_seen"] for r in history] == [10, 20]  # two full windows of update_interval records
     first = history[0]
     # A random draft accepts nothing; a few steps on the traffic it failed on must beat it on unseen log records.
     assert first["promoted"], first["reason"]
@@ -135,7 +135,7 @@ def test_distillation_promotes_a_better_draft_refuses_a_worse_one_and_resumes(tm
     (root / "current").symlink_to(f"versions/v{version + 1:04d}")
     again = OnlineDistiller(recipe, logs, target)
     assert (root / "current").resolve() == (root / "versions" / f"v{version:04d}").resolve()
-    assert again.progress["consumed"] == 40 and again.run() == []
+    assert again.progress["consumed"] == 20 and again.run() == []
     # The trainee resumes where it was, optimizer moments included, not from the deployed version.
     for name, value in first_run.trainee.state_dict().items():
         torch.testing.assert_close(again.trainee.state_dict()[name], value, msg=name)
@@ -143,7 +143,7 @@ def test_distillation_promotes_a_better_draft_refuses_a_worse_one_and_resumes(tm
     first_moments = [s["exp_avg"] for s in first_run.optimizer.state.values()]
     assert moments and all(torch.equal(a, b) for a, b in zip(moments, first_moments, strict=True))
     with open(logs / "day1.jsonl", "a") as fh:
-        fh.write("\n".join(log_lines(tmp_path, 40, skip=40)) + "\n")
+        fh.write("\n".join(log_lines(tmp_path, 20, skip=20)) + "\n")
     again.cfg.learning_rate = 3.0
     refused, restarted = again.run()
     assert not refused["promoted"] and "does not beat the current" in refused["reason"]
@@ -157,7 +157,7 @@ def test_distillation_promotes_a_better_draft_refuses_a_worse_one_and_resumes(tm
     # The general suite was frozen with the first run; a recipe that now asks for another one cannot silently
     # compare new versions against a baseline measured on the old one.
     recipe.osd.general_records = 3
-    with pytest.raises(UserError, match=r"general\.json: frozen from eval.suites .* x 4 records"):
+    with pytest.raises(UserError, match=r"general\.json: frozen from eval.suites .* x 2 records"):
         OnlineDistiller(recipe, logs, target)
     assert (root / "current").resolve() == (root / "versions" / f"v{version:04d}").resolve()
     assert json.loads((root / "history.jsonl").read_text().splitlines()[-1])["reason"] == restarted["reason"]
