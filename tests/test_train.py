@@ -58,8 +58,9 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def test_tiny_draft_overfits_real_samples(tmp_path, states):
+    """One TTT step: the assertion is on step 0, and 30 epochs reach 0.95 where 50 at TTT 2 reached 0.93."""
     recipe = load_recipe(
-        run_recipe(tmp_path, states, training={"epochs": 50, "log_every_steps": 3}, draft={"ttt_steps": 2})
+        run_recipe(tmp_path, states, training={"epochs": 30, "log_every_steps": 3}, draft={"ttt_steps": 1})
     )
     trainer = Trainer(recipe)
     trainer.train()
