@@ -165,6 +165,28 @@ def test_duplicate_ids_and_empty_mix(tmp_path):
         load_mix(write_mix(tmp_path, [{"name": "e", "path": str(empty)}]), 0.0)
 
 
+def test_a_file_read_again_is_parsed_once_and_its_changes_are_seen(tmp_path, monkeypatch):
+    """The parse is shared by content: the same bytes are parsed once (their skips reported each time); a rewrite
+    of the same size within the same clock tick is parsed again."""
+    from speculators_train.data import mix as mix_module
+
+    parsed = []
+    monkeypatch.setattr(mix_module, "_READ", type(mix_module._READ)())
+    monkeypatch.setattr(mix_module, "read_file", lambda *a, **k: parsed.append(a[0]) or read_file(*a, **k))
+    a = write_jsonl(tmp_path / "a.jsonl", [*records("a", 5), {"id": "x", "conversations": []}])
+    mix = write_mix(tmp_path, [{"name": "a", "path": str(a)}])
+    first, again = load_mix(mix, 0.0), load_mix(mix, 0.0)
+    assert len(parsed) == 1 and [c.id for c in again.train] == [c.id for c in first.train]
+    assert first.report.counts == again.report.counts == {"empty_conversation": 1}
+    first.train.clear()  # a caller's list is its own
+    assert len(load_mix(mix, 0.0).train) == 5 and len(parsed) == 1
+    write_jsonl(a, [*records("b", 5), {"id": "x", "conversations": []}])  # same size, same inode
+    assert {c.id for c in load_mix(mix, 0.0).train} == {f"a:b{i}" for i in range(5)} and len(parsed) == 2
+    monkeypatch.setattr(mix_module, "_READ_MAX_BYTES", 10)  # too large to keep: parsed each time
+    load_mix(mix, 0.0), load_mix(mix, 0.0)
+    assert len(parsed) == 4
+
+
 def test_mix_source_needs_exactly_one_location(tmp_path):
     with pytest.raises(UserError, match="give exactly one of path or hub"):
         load_mix(write_mix(tmp_path, [{"name": "a", "path": "x.jsonl", "hub": "org/ds"}]), 0.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from pydantic import Field, model_validator
 from speculators_train.data.conversations import Conversation, SkipReport, normalize_record
 from speculators_train.data.readers import read_datasets, read_file
 from speculators_train.errors import UserError
+from speculators_train.loading import reading
 from speculators_train.schema import Section, load_yaml_model
 
 
@@ -65,13 +67,51 @@ def load_mix_config(path: str | Path) -> MixConfig:
     return load_yaml_model(path, MixConfig, "data mix")
 
 
+# Sources read in this process, by content: a recipe's stages, `verify`'s suites and OSD's general suite read the
+# same files again, and a 100 MB JSON costs seconds to parse but a fraction of one to hash. (A file's size and
+# modification time would not do: a rewrite within one clock tick keeps both.) Files past `_READ_MAX_BYTES` are not
+# kept, as their records would stay in memory for the life of the process. Cached conversations are shared: never
+# mutate them.
+_READ: OrderedDict[tuple, tuple[list[Conversation], SkipReport]] = OrderedDict()
+_READ_FILES = 4
+_READ_MAX_BYTES = 256 << 20
+
+
+def _digest(path: Path, label: str) -> str | None:
+    """sha256 of a file small enough to keep, else None."""
+    digest = hashlib.sha256()
+    with reading(label, "data file"), path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+            if fh.tell() > _READ_MAX_BYTES:
+                return None
+    return digest.hexdigest()
+
+
 def read_source(mix: MixConfig, source: SourceConfig, report: SkipReport) -> list[Conversation]:
-    """All records of one source, normalised; duplicate ids are skipped (they would break the id split)."""
-    if source.path is not None:
-        path = mix.resolve_path(source.path, f"sources.{source.name}.path")
-        raw = read_file(path, report, label=source.path)
-    else:
+    """All records of one source, normalised; duplicate ids are skipped (they would break the id split). A local
+    file this process has already read with the same bytes is not parsed again; its skips are reported again."""
+    if source.path is None:
         raw = read_datasets(source.hub, source.subset, source.split, streaming=source.streaming)
+        return _normalized(raw, source, report)
+    path = mix.resolve_path(source.path, f"sources.{source.name}.path")
+    digest = _digest(path, source.path)
+    key = (source.name, source.path, digest)
+    if digest is not None and key in _READ:
+        _READ.move_to_end(key)
+        conversations, skipped = _READ[key]
+    else:
+        skipped = SkipReport()
+        conversations = _normalized(read_file(path, skipped, label=source.path), source, skipped)
+        if digest is not None:
+            _READ[key] = (conversations, skipped)
+            while len(_READ) > _READ_FILES:
+                _READ.popitem(last=False)
+    report.merge(skipped)
+    return list(conversations)
+
+
+def _normalized(raw, source: SourceConfig, report: SkipReport) -> list[Conversation]:
     seen: set[str] = set()
     out: list[Conversation] = []
     for record, origin in raw:

@@ -20,8 +20,8 @@ from .conftest import crash_windows, event_labels, run_cli, run_killed
 
 pytestmark = pytest.mark.slow
 
-SOURCES = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 12}]
-GENERATION = {"storage_dtype": "float32", "samples_per_shard": 3, "max_tokens_per_batch": 256}
+SOURCES = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]
+GENERATION = {"storage_dtype": "float32", "samples_per_shard": 2, "max_tokens_per_batch": 256}
 EVENTS = ["speculators_train.hidden_states.generator:process_chunk"]
 
 
