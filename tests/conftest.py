@@ -38,8 +38,9 @@ QUESTIONS = [
 
 
 def chat(target, text: str) -> list[int]:
-    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    from speculators_train.verify.suites import chat_ids
+
+    return chat_ids(target.tokenizer, [{"role": "user", "content": text}])
 
 
 @pytest.fixture(scope="session")
@@ -125,11 +126,11 @@ def fit(target, tmp: Path, family: str = "eagle3", **settings):
     from speculators_train.recipe import load_recipe
     from speculators_train.target import TargetHead
     from speculators_train.training.checkpoint import save_checkpoint
+    from speculators_train.verify.suites import chat_ids
 
     recipe = load_recipe(make_recipe(tmp, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]))
     fam = get(family)
-    ids = target.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True)
-    prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    prompt = chat_ids(target.tokenizer, PROMPT)
     with torch.no_grad():
         full = target.model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)
     freq = torch.bincount(full[0], minlength=target.vocab_size).float()

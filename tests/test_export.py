@@ -21,10 +21,9 @@ from speculators_train.verify.decoder import SpeculativeDecoder
 from speculators_train.verify.report import acceptance
 from speculators_train.verify.run import eos_ids, load_draft_for
 
-from .conftest import SHAREGPT, chat, make_recipe
+from .conftest import QUESTIONS, SHAREGPT, chat, make_recipe
 
 pytestmark = pytest.mark.slow
-QUESTIONS = ["Explain what a hash table is in two sentences.", "Write a Python function that reverses a string."]
 
 
 def random_draft(target, **norms: bool) -> Eagle3Draft:

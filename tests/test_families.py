@@ -20,7 +20,7 @@ from speculators_train.training.data import collate
 from speculators_train.verify.decoder import SpeculativeDecoder, TargetRunner, decode_plain
 from speculators_train.verify.run import eos_ids, load_draft_for
 
-from .conftest import SHAREGPT, make_recipe
+from .conftest import SHAREGPT, chat, make_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -85,10 +85,7 @@ def test_the_objective_trains_on_real_states_and_sums_every_metric_it_names(targ
 def loaded_with_prompt(tmp_path, target, draft) -> tuple:
     """The draft saved and loaded for the target as verify loads it, and a chat prompt's ids."""
     save_checkpoint(tmp_path, 1, draft, None, {"step": 1}, keep_last=1)
-    prompt = target.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Name three prime numbers."}], add_generation_prompt=True
-    )
-    return load_draft_for(target, tmp_path), list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    return load_draft_for(target, tmp_path), chat(target, "Name three prime numbers.")
 
 
 def test_the_proposer_decodes_the_targets_own_greedy_output(tmp_path, target, fresh):

@@ -140,11 +140,11 @@ def reference(target, tmp_path_factory):
     from speculators_train.engines.vllm import Engine
     from speculators_train.recipe import TargetConfig
     from speculators_train.sources import resolve_source
+    from speculators_train.verify.suites import chat_ids
 
     from .conftest import PROMPT
 
-    ids = target.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True)
-    prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    prompt = chat_ids(target.tokenizer, PROMPT)
     hf_dir = resolve_source(TargetConfig())[0]
     with Engine(hf_dir) as engine:
         out = engine.generate([prompt], MAX_NEW, 0.0, 1.0, [0])

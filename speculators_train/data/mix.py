@@ -6,13 +6,14 @@ import hashlib
 import math
 import random
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import Field, model_validator
 
 from speculators_train.data.conversations import Conversation, SkipReport, normalize_record
-from speculators_train.data.readers import read_datasets, read_file
+from speculators_train.data.readers import Record, read_datasets, read_file
 from speculators_train.errors import UserError
 from speculators_train.loading import reading
 from speculators_train.schema import Section, load_yaml_model
@@ -111,7 +112,7 @@ def read_source(mix: MixConfig, source: SourceConfig, report: SkipReport) -> lis
     return list(conversations)
 
 
-def _normalized(raw, source: SourceConfig, report: SkipReport) -> list[Conversation]:
+def _normalized(raw: Iterable[Record], source: SourceConfig, report: SkipReport) -> list[Conversation]:
     seen: set[str] = set()
     out: list[Conversation] = []
     for record, origin in raw:

@@ -112,7 +112,8 @@ def mt_bench_questions() -> list[dict]:
     return [col[i] for i in range(max(map(len, columns))) for col in columns if i < len(col)]
 
 
-def _chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """A chat's prompt ids with the generation prompt (a tokenizer may return a list or an encoding)."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
@@ -157,7 +158,7 @@ def load_mt_bench(path: Path, cfg: SuiteConfig, recipe: Recipe, target, wanted: 
                     {"role": "assistant", "content": answers[str(q["id"])]},
                     {"role": "user", "content": q["turns"][1]},
                 ]
-            ids = _chat_ids(target.tokenizer, messages)
+            ids = chat_ids(target.tokenizer, messages)
             if len(ids) > cfg.max_prompt_tokens:
                 skips.skip(f"prompt over max_prompt_tokens ({cfg.max_prompt_tokens})", f"mt-bench:{q['id']}")
                 continue
@@ -202,7 +203,7 @@ def load_suite(path: Path, recipe: Recipe, target, num_prompts: int | None = Non
             continue
         if exclude is not None and exclude.search(first_user):
             continue
-        ids = _chat_ids(tokenizer, messages)
+        ids = chat_ids(tokenizer, messages)
         if len(ids) > cfg.max_prompt_tokens:
             skips.skip(f"prompt over max_prompt_tokens ({cfg.max_prompt_tokens})", conv.origin)
             continue
