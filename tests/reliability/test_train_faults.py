@@ -66,20 +66,31 @@ def curve(tmp_path: Path) -> dict[tuple[str, int], float]:
     return out
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, states):
-    """An uninterrupted run: its curve, best.json and the events it passes through."""
-    tmp = tmp_path_factory.mktemp("reference")
-    labels = event_labels(["train", run_dir(tmp, states)], EVENTS)
+# The crash sweep's run: one epoch of 3 steps still passes every kind of event (a save per step, a validation
+# inside the epoch and one at its end, best.json, the final save replacing the step's own); resuming across epochs
+# is test_train.py's killed-run test.
+SWEEP = {"epochs": 1, "save_every_steps": 1, "eval_every_steps": 2}
+
+
+def uninterrupted(tmp: Path, states: Path, **training) -> tuple[dict, str, list[str]]:
+    """A run to its end: its curve, best.json and the events it passes through."""
+    labels = event_labels(["train", run_dir(tmp, states, **training)], EVENTS)
     return curve(tmp), (tmp / "run" / "train" / "checkpoints" / "best.json").read_text(), labels
 
 
-def test_kill_at_each_crash_window_resumes_to_the_same_curve(tmp_path, states, reference, capsys):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, states):
+    return uninterrupted(tmp_path_factory.mktemp("reference"), states)
+
+
+def test_kill_at_each_crash_window_resumes_to_the_same_curve(tmp_path, states, capsys):
     """SIGKILL at one event of the run (each kind of event once, and the last four: the final checkpoint's commit;
     every event with SPECULATORS_TRAIN_CRASH_SWEEP=all), then the same command: it finishes on the
     uninterrupted curve, with one metrics line per step and validation, and the same best checkpoint."""
-    expected, best, labels = reference
-    recipe = run_dir(tmp_path, states)
+    expected, best, labels = uninterrupted(tmp_path / "reference", states, **SWEEP)
+    assert {"Trainer._evaluate train", "Trainer._evaluate _finish_step", "os.replace best.json"} <= set(labels)
+    assert "os.replace .step-N.old-N" in labels
+    recipe = run_dir(tmp_path, states, **SWEEP)
     for die_at in crash_windows(labels, tail=4):
         shutil.rmtree(tmp_path / "run" / "train", ignore_errors=True)
         code, _ = run_killed(die_at, ["train", recipe], EVENTS)
