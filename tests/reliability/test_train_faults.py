@@ -78,11 +78,6 @@ def uninterrupted(tmp: Path, states: Path, **training) -> tuple[dict, str, list[
     return curve(tmp), (tmp / "run" / "train" / "checkpoints" / "best.json").read_text(), labels
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, states):
-    return uninterrupted(tmp_path_factory.mktemp("reference"), states)
-
-
 def test_kill_at_each_crash_window_resumes_to_the_same_curve(tmp_path, states, capsys):
     """SIGKILL at one event of the run (each kind of event once, and the last four: the final checkpoint's commit;
     every event with SPECULATORS_TRAIN_CRASH_SWEEP=all), then the same command: it finishes on the
@@ -178,11 +173,11 @@ def mount_tmpfs(path: Path, size: int) -> bool:
     return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]).returncode == 0
 
 
-def test_a_full_disk_during_a_checkpoint_is_one_line_and_resumes_exactly(tmp_path, states, reference, capsys):
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_resumes_exactly(tmp_path, states, capsys):
     """Checkpoints go to a real tmpfs big enough for one of them, not two: the second save fails on ENOSPC (torch
     and safetensors raise their own exception types there), the run stops with one line, and once space is
     freed the same command resumes on the uninterrupted curve."""
-    expected, _, _ = reference
+    expected, _, _ = uninterrupted(tmp_path / "reference", states)
     recipe = run_dir(tmp_path, states)
     probe = tmp_path / "probe"
     assert run_cli(["train", run_dir(probe, states, epochs=1, max_steps=1)], capsys)[0] == 0
