@@ -156,6 +156,21 @@ def fit(target, tmp: Path, family: str = "eagle3", **settings):
 
 
 @pytest.fixture(scope="session")
+def fitted(target, tmp_path_factory):
+    """`fit`, once per session for each family and settings: tests read these checkpoints and recipes and write
+    their exports and runs under their own `tmp_path`."""
+    done: dict = {}
+
+    def get(family: str = "eagle3", **settings):
+        key = (family, tuple(sorted(settings.items())))
+        if key not in done:
+            done[key] = fit(target, tmp_path_factory.mktemp(f"fit-{family}"), family, **settings)
+        return done[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def states(tmp_path_factory, target):
     """Stored hidden states of 20 real ShareGPT records (<=128 tokens each), generated once for every test that
     trains on them (each copies them into its own run directory)."""

@@ -19,7 +19,7 @@ from speculators_train.sources import resolve_source
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.engine import f32_gguf, first_divergence, record, settings
 
-from .conftest import SHAREGPT, fit, make_recipe
+from .conftest import SHAREGPT, make_recipe
 
 
 def test_metrics_text_parses_counters_and_per_position_acceptance():
@@ -72,18 +72,13 @@ def test_each_setting_passes_the_flags_llamacpp_needs(tmp_path):
     assert ngram_args == ["--spec-type", "ngram-mod"]
 
 
-@pytest.fixture(scope="module")
-def fitted(target, tmp_path_factory):
-    return fit(target, tmp_path_factory.mktemp("fitted"))
-
-
 @pytest.mark.slow
 def test_gguf_export_carries_the_layer_ids_vocab_map_and_flags_llamacpp_reads(tmp_path, target, fitted, capsys):
     from gguf import GGUFReader
 
     from speculators_train.cli import main
 
-    recipe, checkpoint, _, _ = fitted
+    recipe, checkpoint, _, _ = fitted()
     out = tmp_path / "gguf"
     argv = ["export", str(recipe.source_path), "--checkpoint", str(checkpoint), "--format", "gguf", "--out", str(out)]
     with pytest.raises(SystemExit) as code:
@@ -140,7 +135,7 @@ def test_llamacpp_refuses_nothing_we_export_and_we_refuse_what_it_would_run_wron
 def test_llamacpp_with_our_draft_gives_its_own_target_only_output_on_an_unquantized_target(tmp_path, target, fitted):
     """Built once from source (cached); on the F32 target llama.cpp's greedy output must not change with the
     draft, and the draft fitted to this reply must be accepted."""
-    recipe, checkpoint, prompt, _ = fitted
+    recipe, checkpoint, prompt, _ = fitted()
     out = export(recipe, checkpoint, "gguf", tmp_path / "gguf", dtype="float32").path
     target_gguf = f32_gguf(Path(resolve_source(recipe.target)[0]))
     args = draft_args(str(out / "draft.gguf"), 3)
@@ -156,7 +151,7 @@ def test_llamacpp_with_our_draft_gives_its_own_target_only_output_on_an_unquanti
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_llamacpp_runs_a_norm_before_fc_draft_as_trained(tmp_path, target):
+def test_llamacpp_runs_a_norm_before_fc_draft_as_trained(tmp_path, target, fitted):
     """EAGLE-3.1's norm before fc reaches llama.cpp (flag and weight) and is applied: llama.cpp accepts what the
     project's own loop accepts with the same draft on the same unquantized weights (without the norm this draft's
     first-step argmax changes at about a third of the reply's positions), and the output is the target's own."""
@@ -166,7 +161,7 @@ def test_llamacpp_runs_a_norm_before_fc_draft_as_trained(tmp_path, target):
     from speculators_train.verify.decoder import SpeculativeDecoder
     from speculators_train.verify.run import eos_ids, load_draft_for
 
-    recipe, checkpoint, prompt, _ = fit(target, tmp_path / "fit", norm_before_fc=True)
+    recipe, checkpoint, prompt, _ = fitted(norm_before_fc=True)
     out = export(recipe, checkpoint, "gguf", tmp_path / "gguf", dtype="float32").path
     reader = GGUFReader(out / "draft.gguf")
     flag = reader.fields["eagle3.norm_before_fc"]

@@ -16,7 +16,7 @@ from speculators_train.families.drafts import load_draft
 from speculators_train.recipe import load_recipe
 from speculators_train.verify.vllm_run import NGRAM, record, settings
 
-from .conftest import SHAREGPT, fit, make_recipe
+from .conftest import SHAREGPT, make_recipe
 
 MAX_NEW = 48
 
@@ -177,14 +177,14 @@ def printed_speculative_config(capsys, argv: list[str]) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["eagle3", "peagle", "medusa"])
 def test_vllm_serves_each_family_from_the_printed_command_with_the_targets_output(
-    family, target, reference, tmp_path, capsys
+    family, target, reference, fitted, tmp_path, capsys
 ):
     """The export, the `vllm serve` line `export` prints, run offline as `LLM(speculative_config=...)`: vLLM loads
     the draft with its own code, accepts its drafts, and gives exactly its target-only greedy output."""
     from speculators_train.engines.vllm import Engine
 
     hf_dir, prompt, alone = reference
-    recipe, checkpoint, fitted_prompt, _ = fit(target, tmp_path / "fit", family)
+    recipe, checkpoint, fitted_prompt, _ = fitted(family)
     assert fitted_prompt == prompt
     out = tmp_path / "export"
     argv = ["export", str(recipe.source_path), "--checkpoint", str(checkpoint), "--out", str(out), "--dtype", "float32"]

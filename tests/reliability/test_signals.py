@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ..conftest import SHAREGPT, fit, make_recipe
+from ..conftest import SHAREGPT, make_recipe
 from .conftest import REPO, run_cli
 
 pytestmark = pytest.mark.slow
@@ -108,13 +108,8 @@ def test_generate_stops_between_shards_and_the_rerun_finishes(tmp_path, capsys):
     assert run_cli(["validate", recipe], capsys)[0] == 0
 
 
-@pytest.fixture(scope="module")
-def fitted(tmp_path_factory, target):
-    return fit(target, tmp_path_factory.mktemp("fit"))
-
-
 def test_export_to_gguf_ends_the_converter_and_leaves_no_temporary_file(tmp_path, fitted):
-    recipe, checkpoint, _, _ = fitted
+    recipe, checkpoint, _, _ = fitted()
     out = tmp_path / "exports" / "gguf"
     started = terminated(
         tmp_path,
@@ -145,7 +140,7 @@ ENGINES = {  # engine: (the recipe settings of a short run, the call at which SI
 def test_verify_ends_its_engine_processes(tmp_path, fitted, engine):
     if engine == "vllm":
         pytest.importorskip("vllm")
-    recipe, checkpoint, _, _ = fitted
+    recipe, checkpoint, _, _ = fitted()
     settings, hook = ENGINES[engine]
     argv = ["verify", recipe.source_path, "--draft", checkpoint, "--engine", engine, "--out", tmp_path / "v"]
     started = terminated(tmp_path, [*argv, *(x for s in settings for x in ("--set", s))], hook)
