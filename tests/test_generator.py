@@ -179,6 +179,53 @@ def test_output_written_before_a_regenerate_option_existed_still_trains_and_reru
         OfflineSource(regenerated, world=1, rank=0)
 
 
+def test_a_medusa_recipe_stores_the_final_state_alone_and_a_family_takes_a_set_that_holds_what_it_reads(
+    generated, tmp_path
+):
+    """`generate` stores what the recipe's family trains on: Medusa heads read the final state, so no aux states;
+    EAGLE-3's set (aux + final) serves a Medusa recipe as it is, and Medusa's set is refused to EAGLE-3 in one line."""
+    eagle3, manifest = generated
+    assert manifest["identity"]["target_states"] == "aux+final"
+    sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 24}]
+    medusa = load_recipe(make_recipe(tmp_path / "m", sources, draft={"family": "medusa"}))
+    made = generate(medusa)
+    directory = medusa.hidden_states_dir
+    assert made["identity"]["target_states"] == "final" and validate(directory) == []
+    for path in directory.glob("*/shard-*.safetensors"):
+        with safe_open(path, framework="pt") as fh:
+            assert sorted(fh.keys()) == ["hidden_state", "input_ids", "loss_mask", "offsets"], path
+    full = {s["id"]: s for s in HiddenStateShards(eagle3.hidden_states_dir, "train")}
+    alone = list(HiddenStateShards(directory, "train"))
+    assert [s["id"] for s in alone] == list(full) and "aux_hidden_states" not in alone[0]
+    for sample in alone:  # the same capture, less of it
+        torch.testing.assert_close(sample["hidden_state"], full[sample["id"]]["hidden_state"], rtol=0, atol=0)
+    assert sum(f.stat().st_size for f in directory.rglob("shard-*")) * 3 < sum(
+        f.stat().st_size for f in eagle3.hidden_states_dir.rglob("shard-*")
+    )
+
+    with pytest.raises(UserError, match=r"holds 'final' target states and a eagle3 draft trains on 'aux\+final'"):
+        OfflineSource(medusa.model_copy(update={"draft": eagle3.draft}), world=1, rank=0)
+    with pytest.raises(UserError, match=r"refusing to mix them:\n  target_states: 'final' there, 'aux\+final' now"):
+        generate(medusa.model_copy(update={"draft": eagle3.draft}))
+    # The other way round: Medusa trains on EAGLE-3's set, and generating for it there has nothing to do.
+    on_full = eagle3.model_copy(update={"draft": medusa.draft})
+    before = {p: p.stat().st_mtime_ns for p in eagle3.hidden_states_dir.rglob("*") if p.is_file()}
+    assert generate(on_full) == manifest
+    assert before == {p: p.stat().st_mtime_ns for p in eagle3.hidden_states_dir.rglob("*") if p.is_file()}
+    assert len(OfflineSource(on_full, world=1, rank=0).train) == len(full)
+
+    # A shard whose tensors are not the states its manifest names is a problem `validate` names.
+    listed = json.loads((directory / "manifest.json").read_text())
+    listed["identity"]["target_states"] = "aux+final"
+    atomic_write_bytes(directory / "manifest.json", json.dumps(listed).encode())
+    shards = [p for p in validate(directory) if "/shard-" in p]
+    assert len(shards) == len(list(directory.glob("*/shard-*"))), shards
+    assert all(
+        "holds ['hidden_state', 'input_ids', 'loss_mask', 'offsets'], the manifest's states are 'aux+final'" in p
+        for p in shards
+    )
+
+
 def test_kill_minus_9_then_rerun_gives_the_same_shards(tmp_path):
     sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 32}]
     gen = {"storage_dtype": "float32", "samples_per_shard": 4, "max_tokens_per_batch": 128}

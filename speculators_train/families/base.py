@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 # The per-position losses a draft trains with and OSD distils with (`families/divergence.py` computes them).
 Divergence = Literal["ce", "forward_kl", "reverse_kl", "jsd", "tvd", "lk", "lk_hybrid"]
 
+# The target states a family trains on, which is what `generate` stores for its recipes: the recipe's aux layers
+# and the final (pre-norm) state, the final state alone, or no state (tokens and loss mask only).
+TargetStates = Literal["aux+final", "final", "none"]
+STATE_LEVELS: tuple[TargetStates, ...] = ("none", "final", "aux+final")  # each holds what the ones before hold
+
 
 class FamilySettings(Section):
     """A family's recipe section (`draft:`); `family` names it, once, in the recipe."""
@@ -42,6 +47,7 @@ class FamilySettings(Section):
     format_names: ClassVar[tuple[str, ...]]  # export.format values this family writes
     tree_shapes: ClassVar[tuple[str, ...]] = ("dynamic",)  # eval.tree.shape values its proposer grows
     fine_tunes: ClassVar[bool] = True  # whether training.init_from may name a draft of this family
+    target_states: ClassVar[TargetStates] = "aux+final"  # what its objective reads, and `generate` stores
 
     def recipe_problems(self, recipe: Any) -> list[str]:
         """Rules that tie this section to other sections of the loaded `Recipe` (not imported here: the recipe

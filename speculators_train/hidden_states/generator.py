@@ -27,6 +27,7 @@ from speculators_train.data.render import Sample, render_many
 from speculators_train.data.splits import SPLITS, chunk_seed, chunks, data_fingerprint, load_splits
 from speculators_train.distributed import process_state
 from speculators_train.errors import UserError
+from speculators_train.families.base import STATE_LEVELS
 from speculators_train.files import atomic_write_bytes, atomic_write_json, remove_stale_temporaries, sha256_bytes
 from speculators_train.hidden_states.shards import (
     FORMAT,
@@ -36,6 +37,7 @@ from speculators_train.hidden_states.shards import (
     check_sha256,
     read_manifest,
     shard_name,
+    stored_states,
     write_shard,
 )
 from speculators_train.loading import open_tensors, read_json
@@ -53,6 +55,7 @@ def generation_identity(recipe: Recipe, target: Target, splits: Splits, world_si
         **target.identity(),
         "aux_layer_ids": target.aux_layer_ids,
         "final_state": "pre_norm",
+        "target_states": recipe.draft.target_states,
         "storage_dtype": recipe.generation.storage_dtype,
         "max_length": recipe.data.max_length,
         "overlong": recipe.data.overlong,
@@ -63,7 +66,14 @@ def generation_identity(recipe: Recipe, target: Target, splits: Splits, world_si
     }
 
 
+def recipe_states(recipe: Recipe, target: Target) -> StateSpec:
+    """The states captured for the recipe's family (`FamilySettings.target_states`): `generate` stores these."""
+    level = recipe.draft.target_states
+    return StateSpec(tuple(target.aux_layer_ids) if level == "aux+final" else (), final=level != "none")
+
+
 def check_identity(path: Path, stored: dict[str, Any], current: dict[str, Any]) -> None:
+    stored = {**stored, "target_states": stored_states(stored)}
     if "regenerate" in stored:
         stored = {**stored, "regenerate": RegenerateConfig.identity(stored["regenerate"])}
     diffs = [
@@ -110,8 +120,9 @@ def padded_batches(
 def capture(
     target: Target, samples: list[Sample], max_tokens: int, dtype: torch.dtype, spec: StateSpec | None = None
 ) -> list[dict[str, Any]]:
-    """Hidden states for each sample (original order), unpadded, on CPU in the storage dtype: the final state, and
-    the aux states of `spec` (default: the recipe's, what `generate` stores) unless it reads none."""
+    """Hidden states for each sample (original order), unpadded, on CPU in the storage dtype: the aux states of
+    `spec` (default: the target's aux layers) unless it reads none, and the final state unless `spec` says not."""
+    keep_final = spec is None or spec.final
     out: list[dict[str, Any] | None] = [None] * len(samples)
     for batch, lengths, ids, attention in padded_batches(samples, max_tokens, target.device):
         aux, final = target.hidden_states(ids, attention, spec)
@@ -121,7 +132,8 @@ def capture(
             out[i] = {"id": samples[i].id, "input_ids": samples[i].input_ids, "loss_mask": samples[i].loss_mask}
             if aux is not None:
                 out[i]["aux_hidden_states"] = aux[row, :n].clone()
-            out[i]["hidden_state"] = final[row, :n].clone()
+            if keep_final:
+                out[i]["hidden_state"] = final[row, :n].clone()
     return out
 
 
@@ -134,9 +146,10 @@ class ChunkResult:
 def process_chunk(
     recipe: Recipe, target: Target, chunk: list[Conversation], seed: int, spec: StateSpec | None = None
 ) -> ChunkResult:
-    """Conversations -> (optionally regenerated) -> rendered -> hidden states (`spec`: see `capture`). Shared by
-    offline shards, online training and online distillation."""
+    """Conversations -> (optionally regenerated) -> rendered -> hidden states (`spec`, default: what the recipe's
+    family trains on). Shared by offline shards, online training and online distillation."""
     skips = SkipReport()
+    spec = spec or recipe_states(recipe, target)
     data, max_tokens = recipe.data, recipe.generation.max_tokens_per_batch
     # One packed copy of the target's weights per chunk (CPU float32, `target.cpu_packed_weights`), for
     # regeneration and capture alike; offline shards and online training both come through here.
@@ -193,6 +206,10 @@ def generate(recipe: Recipe) -> dict[str, Any]:
     identity = generation_identity(recipe, target, splits, world)
     if (out_dir / MANIFEST).is_file():
         manifest = read_manifest(out_dir)
+        held = stored_states(manifest["identity"])
+        if manifest.get("complete") and STATE_LEVELS.index(held) > STATE_LEVELS.index(identity["target_states"]):
+            # A complete set holding more states than this family reads serves it as it is (train reads a subset).
+            identity = {**identity, "target_states": held}
         check_identity(out_dir / MANIFEST, manifest["identity"], identity)
         if manifest.get("complete"):
             log.info("%s is already complete; nothing to do", out_dir)

@@ -12,6 +12,9 @@ each begins), so reading one sample is a slice of a memory-mapped file:
     aux_hidden_states  dtype  [sum T, len(aux_layer_ids) * H]   (concatenated in id order)
     hidden_state       dtype  [sum T, H]                        (pre-norm final state)
     offsets            int64  [n + 1]
+
+The state tensors are those the recipe's family trains on (the manifest's `identity.target_states`): both, the
+final state alone, or neither. A manifest written before that key existed holds both.
 """
 
 from __future__ import annotations
@@ -35,13 +38,19 @@ VERSION = 1
 MANIFEST = "manifest.json"
 TOKEN_FREQ = "token_freq.safetensors"
 TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_state", "offsets")
+STATE_TENSORS = {"aux+final": ("aux_hidden_states", "hidden_state"), "final": ("hidden_state",), "none": ()}
+
+
+def stored_states(identity: dict[str, Any]) -> str:
+    """The target states a shard set holds ("aux+final", "final" or "none"), from its manifest identity."""
+    return identity.get("target_states", "aux+final")
 
 
 def pack_samples(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     lengths = [len(s["input_ids"]) for s in samples]
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    packed = {key: torch.cat([s[key] for s in samples]) for key in TENSORS[:-1]}
+    packed = {key: torch.cat([s[key] for s in samples]) for key in TENSORS[:-1] if key in samples[0]}
     packed["offsets"] = offsets
     return packed
 
@@ -129,6 +138,7 @@ class HiddenStateShards(torch.utils.data.Dataset):
         self.index: list[tuple[int, int]] = []
         self.lengths: list[int] = []  # tokens per sample, for length-bucketed batching
         self.verified: set[int] = set()  # shards whose sha256 was checked by this process
+        self.keys = ("input_ids", "loss_mask", *STATE_TENSORS[stored_states(self.manifest["identity"])])
         for entry in self.manifest["splits"][split]["shards"]:
             if not entry["num_samples"]:
                 continue
@@ -156,7 +166,7 @@ class HiddenStateShards(torch.utils.data.Dataset):
             self.verified.add(shard_no)
         start, end = shard.offsets[i], shard.offsets[i + 1]
         with open_tensors(shard.path, "hidden-state shard") as fh:
-            sample = {key: fh.get_slice(key)[start:end] for key in TENSORS[:-1]}
+            sample = {key: fh.get_slice(key)[start:end] for key in self.keys}
         sample["id"] = shard.ids[i]
         return sample
 
@@ -167,6 +177,7 @@ def validate(directory: Path) -> list[str]:
     identity = manifest["identity"]
     width = len(identity["aux_layer_ids"]) * identity["hidden_size"]
     dtype = getattr(torch, identity["storage_dtype"])
+    held = STATE_TENSORS[stored_states(identity)]
     problems = [] if manifest.get("complete") else [f"{directory}: generation not complete"]
     loss_tokens_train = 0
     for split in SPLITS:
@@ -183,15 +194,17 @@ def validate(directory: Path) -> list[str]:
                 problems.append(f"{path}: checksum mismatch (file changed or corrupt)")
                 continue
             with open_tensors(path, "hidden-state shard") as fh:
-                t = {key: fh.get_tensor(key) for key in TENSORS}
+                names = fh.keys()  # safetensors' reader is not iterable
+                t = {key: fh.get_tensor(key) for key in names}
+            if sorted(t) != sorted(k for k in TENSORS if k in held or k not in STATE_TENSORS["aux+final"]):
+                problems.append(f"{path}: holds {sorted(t)}, the manifest's states are {stored_states(identity)!r}")
+                continue
             n_tok = t["input_ids"].numel()
+            shapes = {"aux_hidden_states": (n_tok, width), "hidden_state": (n_tok, identity["hidden_size"])}
             checks = {
                 "offsets": t["offsets"].numel() == entry["num_samples"] + 1 and t["offsets"][-1] == n_tok,
                 "loss_mask": t["loss_mask"].numel() == n_tok and int(t["loss_mask"].sum()) == entry["num_loss_tokens"],
-                "aux_hidden_states": t["aux_hidden_states"].shape == (n_tok, width)
-                and t["aux_hidden_states"].dtype == dtype,
-                "hidden_state": t["hidden_state"].shape == (n_tok, identity["hidden_size"])
-                and t["hidden_state"].dtype == dtype,
+                **{key: t[key].shape == shapes[key] and t[key].dtype == dtype for key in held},
                 "num_tokens": n_tok == entry["num_tokens"],
             }
             problems += [f"{path}: {name} does not match the manifest" for name, ok in checks.items() if not ok]

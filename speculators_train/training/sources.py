@@ -21,8 +21,9 @@ from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.render import render_many
 from speculators_train.data.splits import chunk_seed, chunks, data_fingerprint, load_splits
 from speculators_train.errors import UserError
+from speculators_train.families.base import STATE_LEVELS
 from speculators_train.hidden_states.generator import process_chunk
-from speculators_train.hidden_states.shards import HiddenStateShards, read_manifest, read_token_freq
+from speculators_train.hidden_states.shards import HiddenStateShards, read_manifest, read_token_freq, stored_states
 from speculators_train.recipe import Recipe
 from speculators_train.training.data import collate, epoch_batches
 
@@ -134,12 +135,19 @@ class OnlineSource:
 
 
 def _check_manifest(recipe: Recipe, identity: dict[str, Any], directory: Path) -> None:
-    """Shards made for another target, layer set or data settings must not train this recipe's draft."""
+    """Shards made for another target, layer set or data settings, or holding fewer states than this recipe's family
+    trains on, must not train this recipe's draft."""
     wanted = recipe.target.aux_layer_ids
+    reads, held = recipe.draft.target_states, stored_states(identity)
     problems = []
     if identity["name_or_path"] != recipe.target.name_or_path:
         problems.append(f"target {identity['name_or_path']!r} there, {recipe.target.name_or_path!r} in the recipe")
-    if wanted is not None and identity["aux_layer_ids"] != wanted:
+    if STATE_LEVELS.index(held) < STATE_LEVELS.index(reads):
+        problems.append(
+            f"it holds {held!r} target states and a {recipe.draft.family} draft trains on {reads!r} "
+            "(generate for this recipe into another output_dir)"
+        )
+    elif reads == "aux+final" and wanted is not None and identity["aux_layer_ids"] != wanted:
         problems.append(f"aux_layer_ids {identity['aux_layer_ids']} there, {wanted} in the recipe")
     data = recipe.data
     current = {

@@ -6,7 +6,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from speculators_train.families.base import FamilySettings
+from speculators_train.families.base import FamilySettings, TargetStates
 
 # Caps a recipe and a Medusa file are held to: head h predicts the token h + 2 ahead, and the published heads
 # number 3 to 5 with 1 block each. A file's shared lm_head (`original_lm_head`) is copied once per head, so the
@@ -26,3 +26,4 @@ class Settings(FamilySettings):
     format_names: ClassVar[tuple[str, ...]] = ("speculators",)  # SGLang has no Medusa speculator
     tree_shapes: ClassVar[tuple[str, ...]] = ("dynamic", "measured")
     fine_tunes: ClassVar[bool] = False
+    target_states: ClassVar[TargetStates] = "final"  # heads over the last state: no aux layers
