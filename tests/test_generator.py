@@ -212,7 +212,8 @@ def test_a_medusa_recipe_stores_the_final_state_alone_and_a_family_takes_a_set_t
     before = {p: p.stat().st_mtime_ns for p in eagle3.hidden_states_dir.rglob("*") if p.is_file()}
     assert generate(on_full) == manifest
     assert before == {p: p.stat().st_mtime_ns for p in eagle3.hidden_states_dir.rglob("*") if p.is_file()}
-    assert len(OfflineSource(on_full, world=1, rank=0).train) == len(full)
+    read = OfflineSource(on_full, world=1, rank=0).train
+    assert len(read) == len(full) and "aux_hidden_states" not in read[0]  # read only what Medusa trains on
 
     # A shard whose tensors are not the states its manifest names is a problem `validate` names.
     listed = json.loads((directory / "manifest.json").read_text())

@@ -127,9 +127,9 @@ def check_sha256(path: Path, expected: str) -> None:
 
 class HiddenStateShards(torch.utils.data.Dataset):
     """Samples of one split of a completed generation, read lazily from memory-mapped shards, each shard's sha256
-    checked on first use."""
+    checked on first use. `states` reads fewer state tensors than the set holds (what a family trains on)."""
 
-    def __init__(self, directory: str | Path, split: str = "train") -> None:
+    def __init__(self, directory: str | Path, split: str = "train", states: str | None = None) -> None:
         self.directory = Path(directory)
         self.manifest = read_manifest(self.directory)
         if not self.manifest.get("complete"):
@@ -138,7 +138,7 @@ class HiddenStateShards(torch.utils.data.Dataset):
         self.index: list[tuple[int, int]] = []
         self.lengths: list[int] = []  # tokens per sample, for length-bucketed batching
         self.verified: set[int] = set()  # shards whose sha256 was checked by this process
-        self.keys = ("input_ids", "loss_mask", *STATE_TENSORS[stored_states(self.manifest["identity"])])
+        self.keys = ("input_ids", "loss_mask", *STATE_TENSORS[states or stored_states(self.manifest["identity"])])
         for entry in self.manifest["splits"][split]["shards"]:
             if not entry["num_samples"]:
                 continue

@@ -46,9 +46,11 @@ class OfflineSource:
         self.aux_layer_ids = manifest["identity"]["aux_layer_ids"]
         self.data_fingerprint = manifest["identity"]["data_fingerprint"]
         self.token_freq = read_token_freq(directory, manifest)
-        self.train = HiddenStateShards(directory, "train")
+        # Only the states this family trains on are read (Medusa heads skip the aux states of an EAGLE-3 set).
+        reads = recipe.draft.target_states
+        self.train = HiddenStateShards(directory, "train", reads)
         self.kept = list(range(len(self.train)))  # the train samples epochs draw from (`restrict`)
-        shards = HiddenStateShards(recipe.hidden_states_dir, "held_out")
+        shards = HiddenStateShards(recipe.hidden_states_dir, "held_out", reads)
         # Every rank sees all shards; each validates its own share, read lazily from the shards.
         self.held_out = torch.utils.data.Subset(shards, range(rank, len(shards), world))
 
