@@ -58,10 +58,8 @@ class Recipe(Section):
         blocker = next((p for p in (self.run_dir, *self.run_dir.parents) if p.exists()), None)
         if blocker is not None and not blocker.is_dir():
             problems.append(f"output_dir {str(self.run_dir)!r}: {blocker} is a file, the run needs a directory there")
-        if self.export.format not in draft.format_names:
-            problems.append(
-                f"export.format {self.export.format!r}: the {name} family writes {list(draft.format_names)}"
-            )
+        if self.export.format not in draft.formats:
+            problems.append(f"export.format {self.export.format!r}: the {name} family writes {list(draft.formats)}")
         vocab = getattr(draft, "draft_vocab_size", None)
         if vocab is not None and self.eval.tree.top_k > vocab:
             problems.append(f"eval.tree.top_k {self.eval.tree.top_k}: the draft proposes from {vocab} tokens")
@@ -82,7 +80,7 @@ class Recipe(Section):
                 "(llama.cpp serves GGUF); use engine 'transformers' or a .gguf target"
             )
         if self.eval.engine == "vllm":
-            if "speculators" not in draft.format_names:
+            if "speculators" not in draft.formats:
                 problems.append(
                     f"eval.engine 'vllm': vLLM serves no {draft.family} draft (it loads the speculators format, "
                     f"which this family does not write); verify with 'native'"

@@ -84,7 +84,7 @@ def test_recipe_refuses_what_vllm_cannot_run(tmp_path, monkeypatch):
         load_recipe(path, {"eval.mode": "tree"})
     with pytest.raises(UserError, match=r"eval\.vllm\.speculative_tokens"):
         load_recipe(path, {"eval.vllm.speculative_tokens": [0]})
-    monkeypatch.setattr(get("medusa").settings, "format_names", ("sglang",))
+    monkeypatch.setattr(get("medusa").settings, "formats", {"sglang": "formats:MedusaFormat"})
     with pytest.raises(UserError, match=r"eval\.engine 'vllm': vLLM serves no medusa draft"):
         load_recipe(path, {"draft": {"family": "medusa"}})
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
+from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -44,7 +46,9 @@ class FamilySettings(Section):
     family: str
 
     # Rules a recipe is held to when it loads (not discovered at run time):
-    format_names: ClassVar[tuple[str, ...]]  # export.format values this family writes
+    # The export formats this family writes, declared once: export.format value -> "module:Class" of its
+    # `ExportFormat` in the family's folder (imported when a stage asks `Family.formats`; the first is the default).
+    formats: ClassVar[dict[str, str]]
     tree_shapes: ClassVar[tuple[str, ...]] = ("dynamic",)  # eval.tree.shape values its proposer grows
     fine_tunes: ClassVar[bool] = True  # whether training.init_from may name a draft of this family
     target_states: ClassVar[TargetStates] = "aux+final"  # what its objective reads, and `generate` stores
@@ -112,7 +116,16 @@ class Family(ABC):
     draft_type: ClassVar[type]  # the draft module, built from one `config_type` argument
     config_type: ClassVar[type]  # the draft's config: a dataclass whose `to_dict()` is saved as JSON
     not_saved: ClassVar[tuple[str, ...]] = ()  # frozen weights restored from the target, never checkpointed
-    formats: ClassVar[dict[str, ExportFormat]]  # export formats by name; the first is the default
+
+    @cached_property
+    def formats(self) -> dict[str, ExportFormat]:
+        """The export formats its settings declare, by name (the first is the default)."""
+        package = type(self).__module__.rsplit(".", 1)[0]
+        out = {}
+        for name, where in self.settings.formats.items():
+            module, cls = where.split(":")
+            out[name] = getattr(import_module(f"{package}.{module}"), cls)()
+        return out
 
     # -- building, loading, saving ------------------------------------------------------------------------------
     @abstractmethod

@@ -46,7 +46,7 @@ class OfflineSource:
         self.aux_layer_ids = manifest["identity"]["aux_layer_ids"]
         self.data_fingerprint = manifest["identity"]["data_fingerprint"]
         self.token_freq = read_token_freq(directory, manifest)
-        # Only the states this family trains on are read (Medusa heads skip the aux states of an EAGLE-3 set).
+        # Only the states this family trains on are read (a final-state family skips the aux states of a fuller set).
         reads = recipe.draft.target_states
         self.train = HiddenStateShards(directory, "train", reads)
         self.kept = list(range(len(self.train)))  # the train samples epochs draw from (`restrict`)

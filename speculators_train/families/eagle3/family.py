@@ -3,14 +3,12 @@ exports for vLLM (speculators format) and SGLang."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from speculators_train.families.base import ExportFormat, Family
-from speculators_train.families.eagle3.formats import SGLangFormat, SpeculatorsFormat
-from speculators_train.families.eagle3.gguf import GGUFFormat
+from speculators_train.families.base import Family
 from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft, checked_config
 from speculators_train.families.eagle3.objective import Eagle3Objective
 from speculators_train.families.eagle3.proposer import Eagle3Proposer
@@ -28,11 +26,6 @@ class Eagle3Family(Family):
     draft_type = Eagle3Draft
     config_type = Eagle3Config
     not_saved = ("embed_tokens.weight",)  # the target's, frozen and large: restored from the target
-    formats: ClassVar[dict[str, ExportFormat]] = {
-        "speculators": SpeculatorsFormat(),
-        "sglang": SGLangFormat(),
-        "gguf": GGUFFormat(),
-    }
 
     def config_from_dict(self, saved: dict[str, Any]) -> Eagle3Config:
         return checked_config(saved)

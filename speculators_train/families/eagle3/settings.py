@@ -23,7 +23,11 @@ class Settings(FamilySettings):
     )
     loss: Divergence = Field("ce", description="ce (soft cross-entropy) or another divergence; see docs/families.md.")
 
-    format_names: ClassVar[tuple[str, ...]] = ("speculators", "sglang", "gguf")
+    formats: ClassVar[dict[str, str]] = {
+        "speculators": "formats:SpeculatorsFormat",
+        "sglang": "formats:SGLangFormat",
+        "gguf": "gguf:GGUFFormat",
+    }
 
     def recipe_problems(self, recipe: Any) -> list[str]:
         problems = []

@@ -4,13 +4,12 @@ export in vLLM's Medusa format; their measured tree comes from each checkpoint's
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from speculators_train.errors import UserError
-from speculators_train.families.base import ExportFormat, Family
-from speculators_train.families.medusa.formats import MedusaFormat
+from speculators_train.families.base import Family
 from speculators_train.families.medusa.model import MedusaConfig, MedusaDraft, checked_config
 from speculators_train.families.medusa.objective import MedusaObjective
 from speculators_train.families.medusa.proposer import MedusaProposer, measured_tree
@@ -48,7 +47,6 @@ class MedusaFamily(Family):
     columns = ("loss", "full_acc", "cond_acc", "top1_acc", "top5_acc")
     draft_type = MedusaDraft
     config_type = MedusaConfig
-    formats: ClassVar[dict[str, ExportFormat]] = {"speculators": MedusaFormat()}
 
     def config_from_dict(self, saved: dict[str, Any]) -> MedusaConfig:
         return checked_config(saved)

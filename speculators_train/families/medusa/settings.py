@@ -23,7 +23,7 @@ class Settings(FamilySettings):
     head_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of head h is head_decay**h.")
     draft_vocab_size: int = Field(8192, gt=0, description="Reduced vocab from the generator's token counts.")
 
-    format_names: ClassVar[tuple[str, ...]] = ("speculators",)  # SGLang has no Medusa speculator
+    formats: ClassVar[dict[str, str]] = {"speculators": "formats:MedusaFormat"}  # SGLang has no Medusa speculator
     tree_shapes: ClassVar[tuple[str, ...]] = ("dynamic", "measured")
     fine_tunes: ClassVar[bool] = False
     target_states: ClassVar[TargetStates] = "final"  # heads over the last state: no aux layers

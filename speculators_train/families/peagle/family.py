@@ -3,15 +3,13 @@ the speculators format vLLM serves with parallel drafting."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from speculators_train.errors import UserError
-from speculators_train.families.base import ExportFormat
 from speculators_train.families.eagle3.family import Eagle3Family
 from speculators_train.families.eagle3.model import Eagle3Config
-from speculators_train.families.peagle.formats import PEagleFormat
 from speculators_train.families.peagle.model import PEagleConfig, PEagleDraft, checked_peagle_config
 from speculators_train.families.peagle.objective import PEagleObjective
 from speculators_train.families.peagle.proposer import PEagleProposer
@@ -39,7 +37,6 @@ class PEagleFamily(Eagle3Family):
     draft_type = PEagleDraft
     config_type = PEagleConfig
     not_saved = ("embed_tokens.weight",)  # the target's, frozen; the trained mask row is `mask_embedding`
-    formats: ClassVar[dict[str, ExportFormat]] = {"speculators": PEagleFormat()}
 
     def config_from_dict(self, saved: dict[str, Any]) -> PEagleConfig:
         return checked_peagle_config(saved)

@@ -31,7 +31,8 @@ class Settings(FamilySettings):
     norm_before_fc: bool = Field(False, description="EAGLE-3.1: RMSNorm over the concatenated target states before fc.")
     loss: Divergence = Field("forward_kl", description="The paper's KL(target || draft), or another divergence.")
 
-    format_names: ClassVar[tuple[str, ...]] = ("speculators",)  # vLLM only: SGLang and llama.cpp run no P-EAGLE
+    # vLLM only: SGLang and llama.cpp run no P-EAGLE
+    formats: ClassVar[dict[str, str]] = {"speculators": "formats:PEagleFormat"}
 
     def recipe_problems(self, recipe: Any) -> list[str]:
         problems = []
