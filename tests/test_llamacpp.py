@@ -7,12 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from speculators_train.engines.llamacpp.server import Completion, Server, parse_metrics
+from speculators_train.engines.llamacpp.server import Completion, Server, draft_args, parse_metrics
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
 from speculators_train.families import get
 from speculators_train.families.drafts import load_draft
-from speculators_train.families.eagle3.gguf import draft_args
 from speculators_train.families.vocab import draft_to_target
 from speculators_train.recipe import load_recipe
 from speculators_train.sources import resolve_source
@@ -68,6 +67,7 @@ def test_each_setting_passes_the_flags_llamacpp_needs(tmp_path):
     flags = dict(zip(args[::2], args[1::2], strict=True))
     assert flags["-md"] == str(tmp_path / "draft.gguf")
     assert flags["--spec-type"] == "draft-eagle3"  # not detected from the file
+    assert "--spec-type" not in draft_args(tmp_path / "d.gguf", "llama", 3)  # a plain draft model: llama.cpp's default
     assert (flags["--spec-draft-n-max"], flags["--spec-draft-p-min"]) == ("3", "0.2")
     assert ngram_args == ["--spec-type", "ngram-mod"]
 
@@ -138,7 +138,7 @@ def test_llamacpp_with_our_draft_gives_its_own_target_only_output_on_an_unquanti
     recipe, checkpoint, prompt, _ = fitted()
     out = export(recipe, checkpoint, "gguf", tmp_path / "gguf", dtype="float32").path
     target_gguf = f32_gguf(Path(resolve_source(recipe.target)[0]))
-    args = draft_args(str(out / "draft.gguf"), 3)
+    args = draft_args(out / "draft.gguf", "eagle3", 3)
     with (
         Server(target_gguf, [], tmp_path / "base.log") as base,
         Server(target_gguf, args, tmp_path / "spec.log") as spec,
@@ -172,7 +172,7 @@ def test_llamacpp_runs_a_norm_before_fc_draft_as_trained(tmp_path, target, fitte
     target_gguf = f32_gguf(Path(resolve_source(recipe.target)[0]))
     with (
         Server(target_gguf, [], tmp_path / "base.log") as base,
-        Server(target_gguf, draft_args(str(out / "draft.gguf"), 3), tmp_path / "spec.log") as spec,
+        Server(target_gguf, draft_args(out / "draft.gguf", "eagle3", 3), tmp_path / "spec.log") as spec,
     ):
         reference = base.complete(prompt, 48)
         drafted = spec.complete(prompt, 48)

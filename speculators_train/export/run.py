@@ -213,7 +213,7 @@ def _export(
     verifier = recipe.export.verifier or hub_id or recipe.target.name_or_path
     served = verifier
     notes = []
-    if export_format.target_file:  # the engine loads the target's GGUF file, not a hub id
+    if export_format.draft_file:  # the engine loads the target's GGUF file, not a hub id
         target_gguf = gguf_file(recipe.target)
         if target_gguf is None:
             served = f"{Path(source).name}.gguf"

@@ -64,9 +64,11 @@ class ExportFormat(ABC):
 
     name: ClassVar[str]  # the export.format value
     engines: ClassVar[str]  # who loads it, for the card
-    # The engine takes the target as a local GGUF file (llama.cpp) rather than a hub id: `commands` then gets the
-    # target's GGUF path as its verifier.
-    target_file: ClassVar[bool] = False
+    # For a format an engine loads as one draft file beside the target's own file (llama-server's `-md` beside the
+    # target's GGUF, not a hub id): that file in the export, and its GGUF architecture. The engine's arguments for
+    # it are the engine's (`engines.llamacpp.server.draft_args`); `commands` gets the target's GGUF as verifier.
+    draft_file: ClassVar[str | None] = None
+    draft_architecture: ClassVar[str | None] = None
 
     @abstractmethod
     def detect(self, config: dict[str, Any]) -> bool:
@@ -85,11 +87,6 @@ class ExportFormat(ABC):
     def unsupported(self, draft: nn.Module) -> list[str]:
         """Why the engine would run this draft differently from how it was trained (empty when it would not)."""
         return []
-
-    def server_args(self, out: Path, k: int, p_min: float) -> list[str]:
-        """For a `target_file` format: the engine's arguments that load the export at `out` beside the target, at
-        `k` draft tokens per step, stopping a draft below probability `p_min`."""
-        raise NotImplementedError(f"the {self.name} format is not served beside a target file")
 
     def finish(self, out: Path, target_dir: Path, dtype: str) -> None:
         """Add the engine's own files to the written export at `out` (config.json, model.safetensors and the

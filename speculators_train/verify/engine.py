@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from speculators_train.engines.llamacpp.build import ensure_built, version
 from speculators_train.engines.llamacpp.converter import convert
-from speculators_train.engines.llamacpp.server import Completion, Server
+from speculators_train.engines.llamacpp.server import Completion, Server, draft_args
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
 from speculators_train.families.base import ExportFormat, LoadedDraft
@@ -132,7 +132,7 @@ def record(
 def served_format(loaded: LoadedDraft) -> ExportFormat:
     """The draft family's format that llama.cpp serves beside the target's GGUF file."""
     for export_format in loaded.family.formats.values():
-        if export_format.target_file:
+        if export_format.draft_file:
             return export_format
     raise UserError(
         f"{loaded.path}: llama.cpp has no runtime for {loaded.family.title}s; verify it with --engine native"
@@ -147,7 +147,11 @@ def settings(
     cfg = recipe.eval.llama_cpp
     out: list[tuple[str, int | None, list[str]]] = []
     if export_format is not None and export_dir is not None:
-        out += [("draft", k, export_format.server_args(export_dir, k, cfg.draft_p_min)) for k in cfg.speculative_tokens]
+        draft = export_dir / export_format.draft_file
+        out += [
+            ("draft", k, draft_args(draft, export_format.draft_architecture, k, cfg.draft_p_min))
+            for k in cfg.speculative_tokens
+        ]
     out += [(name, None, ["--spec-type", name]) for name in cfg.baselines]
     return out
 

@@ -25,6 +25,21 @@ from speculators_train import children
 from speculators_train.engines.llamacpp.build import ensure_built
 from speculators_train.errors import UserError
 
+# The speculative type llama-server must be told for a draft GGUF of an architecture: it detects DFlash, DSpark and
+# MTP drafts from the file itself (common/speculative.cpp, `common_speculative_types_from_gguf`) but not EAGLE-3,
+# and runs any other `-md` model as a plain draft model.
+SPEC_TYPES = {"eagle3": "draft-eagle3"}
+
+
+def draft_args(draft: Path, architecture: str, k: int, p_min: float = 0.0) -> list[str]:
+    """llama-server's arguments for the draft GGUF `draft` (of GGUF `architecture`) at K draft tokens per step
+    (p_min 0: every step drafts all K)."""
+    spec_type = ["--spec-type", SPEC_TYPES[architecture]] if architecture in SPEC_TYPES else []
+    return [
+        "-md", str(draft), *spec_type,
+        "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", f"{p_min:g}",
+    ]  # fmt: skip
+
 
 @dataclass
 class Completion:

@@ -8,7 +8,7 @@
 What llama.cpp does with it (SPEC.md section 10), and why the writer refuses some drafts:
 - it reads the aux layer ids from the top-level `eagle_aux_hidden_state_layer_ids`, as vLLM counts them, and
   needs exactly 3 (its fc takes 3 target states);
-- `--spec-type draft-eagle3` must be passed: the type is not detected from the file;
+- `--spec-type draft-eagle3` must be passed: the type is not detected from the file (`engines.llamacpp.server`);
 - it runs `norm_before_fc` (the converter maps `input_norm` and writes `eagle3.norm_before_fc`) but ignores
   `norm_output`: it always feeds the pre-norm output back, so a norm_output draft is refused;
 - it drafts the argmax, chain only.
@@ -21,25 +21,18 @@ from pathlib import Path
 from typing import Any
 
 from speculators_train.engines.llamacpp.converter import convert
+from speculators_train.engines.llamacpp.server import draft_args
 from speculators_train.families.eagle3.formats import SpeculatorsFormat
 from speculators_train.families.eagle3.model import Eagle3Draft
 
-DRAFT_FILE = "draft.gguf"
 OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-
-
-def draft_args(draft: str, k: int, p_min: float = 0.0) -> list[str]:
-    """llama-server's arguments for this draft at K draft tokens per step (p_min 0: every step drafts all K)."""
-    return [
-        "-md", draft, "--spec-type", "draft-eagle3",
-        "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", f"{p_min:g}",
-    ]  # fmt: skip
 
 
 class GGUFFormat(SpeculatorsFormat):
     name = "gguf"
     engines = "llama.cpp (`llama-server --spec-type draft-eagle3`)"
-    target_file = True
+    draft_file = "draft.gguf"
+    draft_architecture = "eagle3"
 
     def detect(self, config: dict[str, Any]) -> bool:
         return False  # the directory's config.json is the speculators one, read back as that format
@@ -58,10 +51,8 @@ class GGUFFormat(SpeculatorsFormat):
         return out
 
     def finish(self, out: Path, target_dir: Path, dtype: str) -> None:
-        convert(out, out / DRAFT_FILE, OUTTYPES[dtype], target_dir=target_dir)
-
-    def server_args(self, out: Path, k: int, p_min: float) -> list[str]:
-        return draft_args(str(out / DRAFT_FILE), k, p_min)
+        convert(out, out / self.draft_file, OUTTYPES[dtype], target_dir=target_dir)
 
     def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
-        return [f"llama-server {shlex.join(['-m', verifier, *self.server_args(out, k, 0.0)])}"]
+        args = draft_args(out / self.draft_file, self.draft_architecture, k)
+        return [f"llama-server {shlex.join(['-m', verifier, *args])}"]
