@@ -227,6 +227,20 @@ def test_a_medusa_recipe_stores_the_final_state_alone_and_a_family_takes_a_set_t
     )
 
 
+def test_a_family_that_reads_no_target_state_gets_tokens_and_masks_alone(generated, target, monkeypatch):
+    """`target_states: none` (a draft distilled from tokens only): the chunk keeps ids and masks, no state."""
+    from speculators_train.families import get
+
+    recipe, _ = generated
+    monkeypatch.setattr(get("medusa").settings, "target_states", "none")
+    medusa = recipe.model_copy(update={"draft": get("medusa").settings()})
+    chunk = load_splits(recipe).train[:4]
+    alone = process_chunk(medusa, target, chunk, 0).samples
+    full = process_chunk(recipe, target, chunk, 0).samples
+    assert alone and [sorted(s) for s in alone] == [["id", "input_ids", "loss_mask"]] * len(full)
+    assert [s["input_ids"].tolist() for s in alone] == [s["input_ids"].tolist() for s in full]
+
+
 def test_kill_minus_9_then_rerun_gives_the_same_shards(tmp_path):
     sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 32}]
     gen = {"storage_dtype": "float32", "samples_per_shard": 4, "max_tokens_per_batch": 128}
