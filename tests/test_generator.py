@@ -21,7 +21,7 @@ from speculators_train.data.splits import load_splits
 from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_bytes
 from speculators_train.hidden_states.generator import generate, process_chunk
-from speculators_train.hidden_states.shards import TENSORS, HiddenStateShards, validate
+from speculators_train.hidden_states.shards import TENSORS, HiddenStateShards, read_manifest, validate
 from speculators_train.packed import available
 from speculators_train.recipe import load_recipe
 from speculators_train.training.sources import OfflineSource
@@ -52,11 +52,10 @@ def assert_same_shards(a: Path, b: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def generated(tmp_path_factory, target):
-    tmp = tmp_path_factory.mktemp("gen")
-    recipe = load_recipe(make_recipe(tmp, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 24}]))
-    manifest = generate(recipe)
-    return recipe, manifest
+def generated(states):
+    """The session's stored states, a real `generate` run over 20 records, with its recipe and manifest (read only:
+    tests that damage or extend them work on copies)."""
+    return load_recipe(states.parent.parent / "recipe.yaml"), read_manifest(states)
 
 
 def test_stored_states_equal_an_independent_transformers_forward(generated, target):
@@ -102,7 +101,7 @@ def test_manifest_counts_token_freq_and_validate(generated):
     recipe, manifest = generated
     directory = recipe.hidden_states_dir
     assert validate(directory) == []
-    assert manifest["splits"]["train"]["records"] + manifest["splits"]["held_out"]["records"] == 24
+    assert manifest["splits"]["train"]["records"] + manifest["splits"]["held_out"]["records"] == 20
     assert manifest["splits"]["held_out"]["samples"] > 0
     with safe_open(directory / "token_freq.safetensors", framework="pt") as fh:
         freq = fh.get_tensor("token_freq")
@@ -186,7 +185,7 @@ def test_a_medusa_recipe_stores_the_final_state_alone_and_a_family_takes_a_set_t
     EAGLE-3's set (aux + final) serves a Medusa recipe as it is, and Medusa's set is refused to EAGLE-3 in one line."""
     eagle3, manifest = generated
     assert manifest["identity"]["target_states"] == "aux+final"
-    sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 24}]
+    sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}]
     medusa = load_recipe(make_recipe(tmp_path / "m", sources, draft={"family": "medusa"}))
     made = generate(medusa)
     directory = medusa.hidden_states_dir
@@ -315,7 +314,7 @@ def test_cli_reports_bad_recipe_without_traceback(tmp_path):
 def test_two_rank_generation_matches_one_rank(generated, tmp_path):
     recipe, manifest = generated
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    two = make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 24}])
+    two = make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}])
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "speculators_train"]
     result = subprocess.run([*torchrun, "generate", str(two)], cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
