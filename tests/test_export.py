@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
-from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.eagle3.proposer import Eagle3Proposer
+from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
 from speculators_train.proposal import Sampling
 from speculators_train.recipe import load_recipe

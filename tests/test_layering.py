@@ -151,3 +151,19 @@ def test_only_the_families_name_a_family():
             if FAMILY_NAMES.search(ENGINE_WORDS.sub("", RECIPE_FILE.sub("", line))):
                 offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_no_family_imports_another_familys_folder():
+    """What two families share lives outside both (`families/eagle_arch/`, `families/vocab.py`, ...), so a family
+    folder can change without breaking another; type-only imports count."""
+    from speculators_train.families import FAMILIES
+
+    offenders = []
+    for name in FAMILIES:
+        for path in (PACKAGE / "families" / name).rglob("*.py"):
+            module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            for imported in _imports(ast.parse(path.read_text()), module):
+                parts = imported.split(".")
+                if len(parts) > 2 and parts[1] == "families" and parts[2] in FAMILIES and parts[2] != name:
+                    offenders.append(f"{path.relative_to(REPO)} imports {imported}")
+    assert not offenders, "\n".join(offenders)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
-from speculators_train.families.eagle3.model import DraftCache, Eagle3Config
+from speculators_train.families.eagle_arch.model import DraftCache, Eagle3Config
 from speculators_train.families.peagle.model import PEagleConfig, PEagleDraft, sample_chains
 from speculators_train.families.peagle.objective import parallel_loss
 from speculators_train.families.peagle.proposer import PEagleProposer

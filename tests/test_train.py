@@ -219,7 +219,7 @@ def test_checkpoint_pointer_to_a_missing_step_falls_back_to_the_newest_complete(
     from transformers import LlamaConfig
 
     from speculators_train.families.drafts import latest_checkpoint
-    from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
+    from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
     from speculators_train.training.checkpoint import save_checkpoint
 
     config = Eagle3Config.for_target(
@@ -274,7 +274,7 @@ def test_a_draft_exported_for_sglang_fine_tunes_from_its_own_weights_and_vocab(t
     assert tuned.config.draft_vocab_size == 1024 and torch.equal(tuned.d2t, original["d2t"])
     assert not torch.equal(tuned.fc.weight, original["fc.weight"])
 
-    from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
+    from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
     from speculators_train.training.checkpoint import save_checkpoint
 
     other = Eagle3Draft(Eagle3Config.for_target(target.config, [3, 15, 27], 64, False))

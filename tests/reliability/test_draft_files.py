@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from speculators_train.export.run import export
 from speculators_train.families.drafts import check_fits, load_draft
-from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft
+from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.medusa.model import MedusaDraft
 from speculators_train.families.vocab import build_vocab_mapping
 from speculators_train.recipe import TargetConfig, load_recipe

@@ -5,19 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-from speculators_train.families.base import Family
-from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft, checked_config
 from speculators_train.families.eagle3.objective import Eagle3Objective
 from speculators_train.families.eagle3.proposer import Eagle3Proposer
 from speculators_train.families.eagle3.settings import Settings
-from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
-from speculators_train.target import OFFSET_NORM_TYPES, StateSpec, Target, TargetHead
+from speculators_train.families.eagle_arch.family import EagleFamily
+from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft, checked_config
+from speculators_train.target import Target, TargetHead
 
 
-class Eagle3Family(Family):
+class Eagle3Family(EagleFamily):
     name = "eagle3"
     settings = Settings
     title = "EAGLE-3 draft"
@@ -42,42 +38,6 @@ class Eagle3Family(Family):
             norm_before_fc=settings.norm_before_fc,
             norm_output=settings.norm_output,
         )
-
-    def new_draft(
-        self,
-        settings: Settings,
-        target_config: Any,
-        head: dict[str, torch.Tensor],
-        token_freq: torch.Tensor,
-        aux_layer_ids: list[int],
-    ) -> Eagle3Draft:
-        """Vocab from token counts; the embedding (frozen), lm_head rows and norm start from the target's."""
-        d2t, t2d = build_vocab_mapping(token_freq, min(settings.draft_vocab_size, token_freq.numel()))
-        draft = self.draft_type(self.draft_config(settings, target_config, aux_layer_ids, d2t.numel()))
-        with torch.no_grad():
-            draft.embed_tokens.weight.copy_(head["embed"])
-            draft.d2t.copy_(d2t)
-            draft.t2d.copy_(t2d)
-            draft.lm_head.weight.copy_(head["lm_head"][draft_to_target(d2t)])
-            # Gemma stores its final norm weight as an offset from 1; the draft's Llama norm multiplies by w.
-            offset = 1.0 if target_config.get_text_config().model_type in OFFSET_NORM_TYPES else 0.0
-            draft.norm.weight.copy_(head["norm"] + offset)
-        return draft
-
-    def states(self, config: Eagle3Config) -> StateSpec:
-        return StateSpec(tuple(config.aux_layer_ids))
-
-    def attach_target(self, draft: Eagle3Draft, embed_weight: torch.Tensor, has_embedding: bool) -> None:
-        """The target's embedding, unless the draft's files carried their own (vLLM keeps those too)."""
-        if not has_embedding:
-            with torch.no_grad():
-                draft.embed_tokens.weight.copy_(embed_weight)
-
-    def place(self, draft: Eagle3Draft, device: torch.device, dtype: torch.dtype) -> Eagle3Draft:
-        draft = draft.to(device=device, dtype=dtype).eval()
-        # `.to(dtype)` also rounds RoPE's inv_freq buffer; rebuild it in fp32 as training and engines keep it.
-        draft.rotary_emb = LlamaRotaryEmbedding(draft.config.llama).to(device)
-        return draft
 
     def objective(
         self,

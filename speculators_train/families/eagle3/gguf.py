@@ -23,7 +23,7 @@ from typing import Any
 from speculators_train.engines.llamacpp.converter import convert
 from speculators_train.engines.llamacpp.server import draft_args
 from speculators_train.families.eagle3.formats import SpeculatorsFormat
-from speculators_train.families.eagle3.model import Eagle3Draft
+from speculators_train.families.eagle_arch.model import Eagle3Draft
 
 OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from speculators_train.errors import UserError
-from speculators_train.families.eagle3.family import Eagle3Family
-from speculators_train.families.eagle3.model import Eagle3Config
+from speculators_train.families.eagle_arch.family import EagleFamily
+from speculators_train.families.eagle_arch.model import Eagle3Config
 from speculators_train.families.peagle.model import PEagleConfig, PEagleDraft, checked_peagle_config
 from speculators_train.families.peagle.objective import PEagleObjective
 from speculators_train.families.peagle.proposer import PEagleProposer
@@ -28,7 +28,7 @@ def default_mask_token_id(target_config: Any) -> int:
     return 0
 
 
-class PEagleFamily(Eagle3Family):
+class PEagleFamily(EagleFamily):
     name = "peagle"
     settings = Settings
     title = "P-EAGLE draft"

@@ -22,7 +22,7 @@ import torch
 
 from speculators_train.errors import UserError
 from speculators_train.families.base import ExportFormat
-from speculators_train.families.eagle3.formats import load_eagle3, speculators_config, speculators_fields
+from speculators_train.families.eagle_arch.speculators import load_eagle3, speculators_config, speculators_fields
 from speculators_train.families.format_common import export_tensors, proposal_config, read_weights, vllm_serve
 from speculators_train.families.peagle.model import PEagleConfig, PEagleDraft, checked_peagle_config
 from speculators_train.loading import reading

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculators_train.families.eagle3.model import Eagle3Config, Eagle3Draft, checked_config
+from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft, checked_config
 from speculators_train.families.format_common import int_field
 from speculators_train.families.peagle.settings import MAX_DEPTHS
 
