@@ -73,7 +73,10 @@ class DraftTree:
 class Proposer(Protocol):
     states: StateSpec  # the target states `extend` receives
 
-    def reset(self) -> None: ...
+    def reset(self, first: int | None) -> None:
+        """A new sequence beginning with token `first` (the one no target state precedes; a draft that reads tokens
+        needs it)."""
+        ...
 
     def extend(self, tokens: list[int], states: torch.Tensor | None) -> None: ...
 

@@ -58,6 +58,8 @@ class Recipe(Section):
         blocker = next((p for p in (self.run_dir, *self.run_dir.parents) if p.exists()), None)
         if blocker is not None and not blocker.is_dir():
             problems.append(f"output_dir {str(self.run_dir)!r}: {blocker} is a file, the run needs a directory there")
+        if self.export.format is None:
+            self.export.format = next(iter(draft.formats))
         if self.export.format not in draft.formats:
             problems.append(f"export.format {self.export.format!r}: the {name} family writes {list(draft.formats)}")
         vocab = getattr(draft, "draft_vocab_size", None)

@@ -112,7 +112,7 @@ def test_the_proposer_drafts_the_same_tokens_on_the_packed_weights_verify_uses(t
     def first_drafts() -> list[int]:
         proposer, runner = family.proposer(loaded.draft, target), TargetRunner(target)
         runner.reset()
-        proposer.reset()
+        proposer.reset(prompt[0])
         _, states = runner.forward(prompt[:-1], states=proposer.states)
         proposer.extend(prompt[1:], states)
         return proposer.propose_chain(k, Sampling(), None)[0]

@@ -192,7 +192,7 @@ class TargetSampler:
         self.target, self.seq = target, list(prompt[:1])
         self.memo = {} if memo is None else memo  # prefix -> logits, shared across seeds (the same every run)
 
-    def reset(self):
+    def reset(self, first=None):
         self.seq = self.seq[:1]
 
     def extend(self, tokens, aux):

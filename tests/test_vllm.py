@@ -156,8 +156,13 @@ def vllm_config(out):
     from vllm.transformers_utils.configs.medusa import MedusaConfig
     from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
-    if json.loads((out / "config.json").read_text()).get("model_type") == "medusa":
+    model_type = json.loads((out / "config.json").read_text()).get("model_type")
+    if model_type == "medusa":
         return MedusaConfig.from_pretrained(str(out))
+    if model_type == "llama":  # a plain model folder (draft_model), read as vLLM reads any model's config
+        from vllm.transformers_utils.config import get_config
+
+        return get_config(str(out), trust_remote_code=False)
     return SpeculatorsConfig.from_pretrained(str(out))
 
 
@@ -175,7 +180,7 @@ def printed_speculative_config(capsys, argv: list[str]) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["eagle3", "peagle", "medusa"])
+@pytest.mark.parametrize("family", ["eagle3", "peagle", "medusa", "draft_model"])
 def test_vllm_serves_each_family_from_the_printed_command_with_the_targets_output(
     family, target, reference, fitted, tmp_path, capsys
 ):
@@ -192,7 +197,9 @@ def test_vllm_serves_each_family_from_the_printed_command_with_the_targets_outpu
     assert spec["model"] == str(out)
     assert load_draft(out, target.num_layers).family.name == family
     parsed = vllm_config(out)
-    if family == "medusa":
+    if family == "draft_model":
+        assert (parsed.num_hidden_layers, parsed.vocab_size, parsed.tie_word_embeddings) == (2, 49152, False)
+    elif family == "medusa":
         assert (parsed.num_heads, parsed.truncated_vocab_size, parsed.vocab_size) == (3, 49152, 49152)
     else:
         assert parsed.eagle_aux_hidden_state_layer_ids == target.aux_layer_ids

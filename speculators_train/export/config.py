@@ -12,7 +12,9 @@ from speculators_train.schema import DTypeName, Section
 
 
 class ExportConfig(Section):
-    format: str = Field("speculators", description="A format of the draft's family (draft.family's formats).")
+    format: str | None = Field(
+        None, description="A format of the draft's family (draft.family's formats); default: the family's first."
+    )
     dtype: DTypeName = Field("bfloat16", description="Float weights; d2t stays int64 and t2d bool.")
     verifier: str | None = Field(
         None, description="Where engines load the target from; default: its hub id (a local path otherwise)."

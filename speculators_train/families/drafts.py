@@ -123,7 +123,7 @@ def fit_problems(loaded: LoadedDraft, hidden_size: int, vocab_size: int, num_lay
             ("hidden size", config.target_hidden_size, hidden_size),
             ("vocab size", config.target_vocab_size, vocab_size),
         )
-        if mine != theirs
+        if mine and mine != theirs  # 0: the draft does not depend on it (reads no target state)
     ]
     if config.target_num_layers and config.target_num_layers != num_layers:
         problems.append(f"layer count: draft trained on {config.target_num_layers}, target has {num_layers}")

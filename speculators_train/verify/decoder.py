@@ -162,7 +162,7 @@ class SpeculativeDecoder:
         _sync(device)
         started = time.perf_counter()
         runner.reset()
-        self.proposer.reset()
+        self.proposer.reset(prompt[0])
         with _timed(result, "prefill_seconds", device):
             _, states = runner.forward(prompt[:-1], states=self.proposer.states)
         with _timed(result, "draft_seconds", device):

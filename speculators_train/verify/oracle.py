@@ -19,7 +19,7 @@ class OracleProposer:
 
     states = NO_STATES
 
-    def reset(self) -> None:
+    def reset(self, first: int | None = None) -> None:
         self.length = 1  # tokens known to the proposer: x_0 plus every committed x_{j+1}
 
     def extend(self, tokens: list[int], states: torch.Tensor | None) -> None:

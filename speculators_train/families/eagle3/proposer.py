@@ -29,7 +29,7 @@ class Eagle3Proposer:
         self.targets = draft_to_target(draft.d2t.to(self.device))  # target id of each draft id
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, first: int | None = None) -> None:
         self.cache = DraftCache()
         self.committed = 0  # hidden states g_0 .. g_{committed-1} are in the cache
         self.hidden: torch.Tensor | None = None  # the fed-back output at the last committed index [1, 1, H]

@@ -27,7 +27,7 @@ class MedusaProposer:
         self.targets = draft_to_target(draft.d2t.to(self.device))
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, first: int | None = None) -> None:
         self.logits: torch.Tensor | None = None  # [heads, draft vocab] at the last committed position
 
     @torch.inference_mode()

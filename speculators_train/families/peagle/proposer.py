@@ -25,7 +25,7 @@ class PEagleProposer:
         self.targets = draft_to_target(draft.d2t.to(self.device))
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, first: int | None = None) -> None:
         self.cache = DraftCache()
         self.committed = 0  # pairs whose keys are in the cache
         self.tokens: list[int] = []  # queued pairs, fed by the next proposal

@@ -1,0 +1,61 @@
+"""The format engines load a standalone draft from: a plain model folder, as `save_pretrained` writes it.
+
+    config.json         the draft LM's LlamaConfig (architectures ["LlamaForCausalLM"], tie_word_embeddings false)
+    model.safetensors   model.embed_tokens, model.layers.*, model.norm, lm_head (transformers' names)
+    tokenizer files     the target's, with its chat template (`export` writes them beside every format)
+
+vLLM serves it as `{"method": "draft_model", "model": <folder>}`, SGLang as `--speculative-algorithm STANDALONE`,
+llama.cpp as `-md` after its own converter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculators_train.families.base import ExportFormat
+from speculators_train.families.draft_model.model import DraftModelConfig, StandaloneDraft, checked_config
+from speculators_train.families.format_common import export_tensors, load_checked, read_weights, vllm_serve
+from speculators_train.loading import reading
+
+ARCHITECTURE = "LlamaForCausalLM"
+FILE_KEYS = ("architectures", "torch_dtype")  # written by `folder_config`, not the LM's config
+PREFIX = "lm."  # the module's names are the LM's under `lm`
+
+
+def folder_config(config: DraftModelConfig, dtype: str) -> dict[str, Any]:
+    return {**config.model_config, "architectures": [ARCHITECTURE], "torch_dtype": dtype}
+
+
+def load_folder(path: Path, config: dict[str, Any]) -> StandaloneDraft:
+    config_file = path / "config.json"
+    model = {k: v for k, v in config.items() if k not in (*FILE_KEYS, "dtype", "transformers_version")}
+    with reading(config_file, "draft model config"):
+        cfg = checked_config({"model_config": model, "target_vocab_size": model.get("vocab_size")})
+    weights, source = read_weights(path)
+    weights = {PREFIX + name: tensor for name, tensor in weights.items()}
+    return load_checked(lambda: StandaloneDraft(cfg), weights, source, config_file, spell=lambda n: n[len(PREFIX) :])
+
+
+class ModelFolderFormat(ExportFormat):
+    name = "hf"
+    engines = "vLLM (`method: draft_model`), SGLang (`STANDALONE`), llama.cpp (`-md`, after its converter)"
+
+    def detect(self, config: dict[str, Any]) -> bool:
+        return config.get("architectures") == [ARCHITECTURE] and config.get("model_type") == "llama"
+
+    def read(self, path: Path, config: dict[str, Any], target_num_layers: int) -> tuple[StandaloneDraft, bool]:
+        return load_folder(path, config), True
+
+    def write(
+        self, draft: StandaloneDraft, dtype: str, verifier: str, architectures: list[str], k: int
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return folder_config(draft.config, dtype), export_tensors(draft, dtype, lambda n: n[len(PREFIX) :])
+
+    def vllm_speculative_config(self, out: Path, k: int) -> dict[str, Any]:
+        return {"model": str(out), "method": "draft_model", "num_speculative_tokens": k}
+
+    def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
+        return [vllm_serve(verifier, self.vllm_speculative_config(out, k))]

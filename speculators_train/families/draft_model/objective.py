@@ -1,0 +1,51 @@
+"""A standalone draft's distillation loss: at every assistant position, a divergence between the draft's next-token
+distribution and the target's, which comes exactly from the stored final state through the target's norm and head.
+
+    position t of the shifted batch: the draft reads x_0 .. x_t, the target's distribution is head(y_t), both for
+    x_{t+1}; scored where x_{t+1} is an assistant token (loss mask l_{t+1}).
+
+Teacher-forced, this scores one draft step: `full_acc_0` is how often the draft's top-1 is the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speculators_train.families.divergence import Divergence, divergence
+from speculators_train.families.draft_model.model import StandaloneDraft
+from speculators_train.families.objective import ChainAccuracy, Objective, Sums, global_counts, key, ratio
+from speculators_train.target import TargetHead
+
+
+def draft_model_loss(
+    draft: StandaloneDraft, batch: dict[str, torch.Tensor], head: TargetHead, kind: Divergence, across_ranks: bool
+) -> tuple[torch.Tensor, Sums]:
+    ids, final, mask = batch["input_ids"], batch["hidden_state"], batch["loss_mask"]
+    length = ids.shape[1] - 1
+    lengths = batch.get("lengths")  # right padding, where a collated batch has any
+    attention = None if lengths is None else (torch.arange(length, device=ids.device)[None] < lengths[:, None]).long()
+    with torch.no_grad():
+        target_logits = head(final[:, :-1].to(head.lm_head.weight.dtype)).float()  # [B, L, V]
+        p = torch.softmax(target_logits, dim=-1)
+    logits = draft(ids[:, :-1], attention_mask=attention).logits.float()
+    per_position = divergence(p, torch.log_softmax(logits, dim=-1), kind)
+    trained = mask[:, 1:]
+    count = trained.sum()
+    denominator = global_counts(count[None])[0] if across_ranks else count.clamp(min=1)
+    total = (per_position * trained).sum()
+    right = logits.argmax(-1) == target_logits.argmax(-1)
+    sums: Sums = {"vocab_coverage": ratio(count, count), key("loss", 0): ratio(total, count)}
+    sums.update(ChainAccuracy().step(0, right & trained, trained))
+    return total / denominator, sums
+
+
+class DraftModelObjective(Objective):
+    metric_names = ("loss", "full_acc", "cond_acc")
+    steps = 1
+
+    def __init__(self, draft: StandaloneDraft, head: TargetHead, kind: Divergence) -> None:
+        super().__init__(draft, head)
+        self.kind = kind
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Sums]:
+        return draft_model_loss(self.draft, batch, self.head, self.kind, self.training)

@@ -1,0 +1,64 @@
+"""A standalone draft as a proposer: its own KV cache over the committed tokens, K autoregressive steps per
+proposal, the cache cropped back to the committed tokens before the next commit."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from speculators_train.families.draft_model.model import StandaloneDraft
+from speculators_train.proposal import DraftTree, Sampling, TreeSpec
+from speculators_train.target import NO_STATES
+
+
+class DraftModelProposer:
+    """Reads tokens only: after `extend`, its logits at the last committed token (the pending one) give the first
+    draft token."""
+
+    states = NO_STATES
+
+    def __init__(self, draft: StandaloneDraft) -> None:
+        self.draft = draft.eval()
+        self.device = next(draft.parameters()).device
+        self.reset(None)
+
+    def reset(self, first: int | None) -> None:
+        self.cache = DynamicCache()
+        self.tokens: list[int] = [] if first is None else [first]
+        self.cached = 0  # tokens whose keys and values are in the cache (the committed ones)
+        self.logits: torch.Tensor | None = None
+
+    def _step(self, tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor([tokens], device=self.device)
+        out = self.draft(ids, past_key_values=self.cache, use_cache=True)
+        return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def extend(self, tokens: list[int], states: torch.Tensor | None) -> None:
+        self.cache.crop(self.cached)  # what the last proposal drafted is gone
+        self.tokens.extend(tokens)
+        self.logits = self._step(self.tokens[self.cached :])
+        self.cached = len(self.tokens)
+
+    @torch.inference_mode()
+    def propose_chain(
+        self, k: int, sampling: Sampling, generator: torch.Generator | None
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Each step's argmax, or (`sampling.samples_drafts`) a sample of softmax(logits / T) with that
+        distribution as the q the rejection rule needs."""
+        logits, drafts, qs = self.logits, [], []
+        for step in range(k):
+            if sampling.samples_drafts:
+                q = torch.softmax(logits / sampling.temperature, dim=-1)
+                token = int(torch.multinomial(q.cpu(), 1, generator=generator))
+                qs.append(q)
+            else:
+                token = int(logits.argmax())
+            drafts.append(token)
+            if step < k - 1:
+                logits = self._step([token])
+        self.cache.crop(self.cached)
+        return drafts, torch.stack(qs) if qs else None
+
+    def propose_tree(self, spec: TreeSpec) -> DraftTree:
+        raise NotImplementedError("a draft_model drafts chains here (the recipe refuses eval.mode tree)")

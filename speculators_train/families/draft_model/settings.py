@@ -1,0 +1,32 @@
+"""The recipe's `draft:` section for a standalone draft model: a small causal LM sharing the target's tokenizer,
+distilled from the target's distribution (DistillSpec, arXiv 2310.08461; OSD, arXiv 2310.07177)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from speculators_train.families.base import Divergence, FamilySettings, TargetStates
+
+
+class Settings(FamilySettings):
+    family: Literal["draft_model"] = "draft_model"
+    start: str = Field(
+        "target_layers",
+        description="target_layers: a copy of the target keeping `layers`; else a hub id or folder of a smaller "
+        "model with the target's tokenizer.",
+    )
+    layers: list[int] = Field([0, 1], min_length=1, description="The target's layers a target_layers draft keeps.")
+    loss: Divergence = Field("forward_kl", description="The divergence to the target's distribution (DistillSpec).")
+
+    formats: ClassVar[dict[str, str]] = {"hf": "formats:ModelFolderFormat"}
+    target_states: ClassVar[TargetStates] = "final"  # the target's distribution, through its norm and head
+
+    def recipe_problems(self, recipe: Any) -> list[str]:
+        problems = []
+        if self.start == "target_layers" and (min(self.layers) < 0 or self.layers != sorted(set(self.layers))):
+            problems.append(f"draft.layers {self.layers}: ascending, distinct target layer ids >= 0")
+        if recipe.eval.mode == "tree":
+            problems.append("eval.mode 'tree': a draft_model drafts chains here")
+        return problems

@@ -1,0 +1,76 @@
+"""The standalone draft model family: its alignment with the target's distribution, its own KV cache in the verify
+loop, and what it refuses."""
+
+import pytest
+import torch
+
+from speculators_train.errors import UserError
+from speculators_train.families import get
+from speculators_train.proposal import Sampling
+from speculators_train.recipe import TargetConfig
+from speculators_train.target import TargetHead, load_head_weights
+from speculators_train.training.data import collate
+from speculators_train.verify.decoder import SpeculativeDecoder
+from speculators_train.verify.run import eos_ids
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def head_weights():
+    return load_head_weights(TargetConfig())
+
+
+def new_draft(head_weights, **settings):
+    family = get("draft_model")
+    config, weights = head_weights
+    return family, family.new_draft(family.settings(**settings), config, weights, torch.zeros(1), [])
+
+
+def test_a_draft_that_is_the_whole_target_matches_its_distribution_at_every_position(target, head_weights, prompts):
+    """All 30 layers kept: the draft is the target, so the divergence is zero and its top-1 is always the
+    target's, which holds only if position t of the draft is scored against the target's state at t."""
+    family, draft = new_draft(head_weights, layers=list(range(target.num_layers)))
+    ids = torch.tensor(prompts[0])
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[len(ids) // 2 :] = True
+    with torch.no_grad():
+        _, final = target.hidden_states(ids[None], torch.ones_like(ids)[None])
+        batch = collate([{"input_ids": ids, "loss_mask": mask, "hidden_state": final[0]}])
+        config, weights = head_weights
+        loss, sums = family.objective(draft, TargetHead.from_weights(config, weights), family.settings())(batch)
+    assert float(loss) < 1e-4
+    assert float(sums["full_acc_0"][0]) == float(sums["full_acc_0"][1]) > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_draft_cache_is_cropped_to_what_was_committed(target, head_weights, prompts, temperature):
+    """After a proposal and a commit, the proposer's next logits are those of a fresh forward over every committed
+    token: nothing it drafted is left in its cache."""
+    family, draft = new_draft(head_weights, layers=[0, 1])
+    proposer = family.proposer(draft, target)
+    prompt = prompts[0]
+    proposer.reset(prompt[0])
+    proposer.extend(prompt[1:], None)
+    generator = torch.Generator().manual_seed(0)
+    proposer.propose_chain(3, Sampling(temperature), generator)
+    proposer.extend([11, 12], None)
+    with torch.no_grad():
+        fresh = draft(torch.tensor([[*prompt, 11, 12]])).logits[0, -1].float()
+    torch.testing.assert_close(proposer.logits, fresh, rtol=1e-4, atol=1e-4)
+
+
+def test_a_draft_that_is_the_target_has_every_draft_accepted_in_the_loop(target, head_weights, prompts, references):
+    """The whole target as its own draft: the loop gives the target's greedy output and accepts all K drafts of
+    every step (up to float noise between a cached and a batched forward), which needs the draft's cache to hold
+    exactly the committed tokens, the first prompt token included."""
+    family, draft = new_draft(head_weights, layers=list(range(target.num_layers)))
+    proposer = family.proposer(draft, target)
+    result = SpeculativeDecoder(target, proposer, Sampling(), 4).generate(prompts[1], 40, eos_ids(target))
+    assert result.tokens == references[1]
+    assert sum(result.accepted) >= 0.9 * 4 * len(result.accepted), result.accepted
+
+
+def test_layers_the_target_does_not_have_are_refused(head_weights):
+    with pytest.raises(UserError, match=r"draft\.layers \[0, 30\]: the target has 30 layers"):
+        new_draft(head_weights, layers=[0, 30])
