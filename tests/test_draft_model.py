@@ -1,6 +1,8 @@
 """The standalone draft model family: its alignment with the target's distribution, its own KV cache in the verify
 loop, and what it refuses."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -74,3 +76,34 @@ def test_a_draft_that_is_the_target_has_every_draft_accepted_in_the_loop(target,
 def test_layers_the_target_does_not_have_are_refused(head_weights):
     with pytest.raises(UserError, match=r"draft\.layers \[0, 30\]: the target has 30 layers"):
         new_draft(head_weights, layers=[0, 30])
+
+
+def test_a_starting_model_with_another_tokenizer_is_refused(tmp_path, head_weights):
+    """Draft ids are verified as target ids: a model whose tokenizer maps one id to another token cannot draft."""
+    import json
+    import shutil
+
+    config, _ = head_weights
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source := Path(config._name_or_path) / name).is_file():
+            shutil.copy(source, tmp_path / name)
+    tokenizer = json.loads((tmp_path / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[100:102]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(UserError, match=r"draft\.start '.*': its tokenizer is not the target's"):
+        new_draft(head_weights, start=str(tmp_path))
+
+
+def test_the_recipe_refuses_trees_and_layer_lists_it_cannot_build(tmp_path):
+    from speculators_train.recipe import load_recipe
+
+    from .conftest import SHAREGPT, make_recipe
+
+    path = make_recipe(tmp_path, [{"name": "s", "path": SHAREGPT, "max_records": 8}], draft={"family": "draft_model"})
+    assert load_recipe(path).export.format == "hf"  # its family's first format, not EAGLE-3's default
+    with pytest.raises(UserError, match=r"eval\.mode 'tree': a draft_model drafts chains here"):
+        load_recipe(path, {"eval.mode": "tree"})
+    with pytest.raises(UserError, match=r"draft\.layers \[2, 1\]: ascending, distinct"):
+        load_recipe(path, {"draft.layers": [2, 1]})
