@@ -38,6 +38,8 @@ MAX_HIDDEN = 65_536
 MAX_INTERMEDIATE = 4 * MAX_HIDDEN
 MAX_VOCAB = 1 << 22  # 4,194,304 ids
 MAX_LAYERS = 4_096  # target decoder layers: bounds the aux layer ids and target_num_layers
+# transformers config keys that describe a saved file rather than the model.
+FILE_KEYS = ("transformers_version", "dtype", "torch_dtype", "_name_or_path", "architectures")
 
 _REQUIRED = object()  # `default` of a field without one
 

@@ -16,12 +16,11 @@ from typing import Any
 import torch
 
 from speculators_train.families.base import ExportFormat
-from speculators_train.families.draft_model.model import DraftModelConfig, StandaloneDraft, checked_config
+from speculators_train.families.draft_model.model import DraftModelConfig, StandaloneDraft, checked_config, lm_values
 from speculators_train.families.format_common import export_tensors, load_checked, read_weights, vllm_serve
 from speculators_train.loading import reading
 
 ARCHITECTURE = "LlamaForCausalLM"
-FILE_KEYS = ("architectures", "torch_dtype")  # written by `folder_config`, not the LM's config
 PREFIX = "lm."  # the module's names are the LM's under `lm`
 
 
@@ -31,7 +30,7 @@ def folder_config(config: DraftModelConfig, dtype: str) -> dict[str, Any]:
 
 def load_folder(path: Path, config: dict[str, Any]) -> StandaloneDraft:
     config_file = path / "config.json"
-    model = {k: v for k, v in config.items() if k not in (*FILE_KEYS, "dtype", "transformers_version")}
+    model = lm_values(config)
     with reading(config_file, "draft model config"):
         cfg = checked_config({"model_config": model, "target_vocab_size": model.get("vocab_size")})
     weights, source = read_weights(path)

@@ -16,12 +16,16 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from speculators_train.families.eagle_arch.model import check_layer
-from speculators_train.families.format_common import MAX_HIDDEN, MAX_LAYERS, MAX_VOCAB, dict_field, int_field
+from speculators_train.families.format_common import (
+    FILE_KEYS,
+    MAX_HIDDEN,
+    MAX_LAYERS,
+    MAX_VOCAB,
+    dict_field,
+    int_field,
+)
 
 MAX_DRAFT_LAYERS = 256  # a draft deeper than this is no draft
-
-# The LlamaConfig keys that describe a saved file rather than the model.
-_FILE_KEYS = ("transformers_version", "dtype", "torch_dtype", "_name_or_path", "architectures")
 
 
 @dataclass
@@ -39,13 +43,14 @@ class DraftModelConfig:
         return LlamaConfig(**self.model_config)
 
 
+def lm_values(values: dict[str, Any]) -> dict[str, Any]:
+    """A config dict without the keys that describe a saved file (`FILE_KEYS`)."""
+    return {k: v for k, v in values.items() if k not in FILE_KEYS}
+
+
 def model_config(config: Any) -> dict[str, Any]:
     """A LlamaConfig dict for a draft LM shaped as `config` (a transformers config), untied."""
-    values = config.to_dict()
-    for key in _FILE_KEYS:
-        values.pop(key, None)
-    values.update(model_type="llama", tie_word_embeddings=False)
-    return values
+    return {**lm_values(config.to_dict()), "model_type": "llama", "tie_word_embeddings": False}
 
 
 def checked_config(values: dict[str, Any]) -> DraftModelConfig:

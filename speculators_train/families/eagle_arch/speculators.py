@@ -13,10 +13,15 @@ from transformers import LlamaConfig
 
 from speculators_train.errors import UserError
 from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
-from speculators_train.families.format_common import SPECULATORS_VERSION, dict_field, load_checked, proposal_config
+from speculators_train.families.format_common import (
+    FILE_KEYS,
+    SPECULATORS_VERSION,
+    dict_field,
+    load_checked,
+    proposal_config,
+)
 
 # LlamaConfig.to_dict() keys that describe a saved file rather than the layer.
-_FILE_KEYS = ("transformers_version", "dtype", "torch_dtype", "_name_or_path", "architectures")
 
 
 def layer_config(config: Eagle3Config) -> dict[str, Any]:
@@ -24,7 +29,7 @@ def layer_config(config: Eagle3Config) -> dict[str, Any]:
     (`rope_parameters`, newer vLLM) and flat (`rope_theta`, and `rope_scaling` unless default), which older vLLM
     and SGLang read, falling back to theta 10000 without them."""
     layer = LlamaConfig(**config.layer_config).to_dict()
-    for key in _FILE_KEYS:
+    for key in FILE_KEYS:
         layer.pop(key, None)
     layer.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False)
     rope = layer.get("rope_parameters") or {}
@@ -84,7 +89,7 @@ def speculators_fields(
 def clean_layer_config(layer: dict[str, Any]) -> dict[str, Any]:
     """A layer config read from someone's file, reduced to what rebuilds one Llama decoder layer."""
     layer = dict(layer)
-    for key in (*_FILE_KEYS, "model_type", "layer_types", "mlp_layer_types"):
+    for key in (*FILE_KEYS, "model_type", "layer_types", "mlp_layer_types"):
         layer.pop(key, None)
     layer.update(num_hidden_layers=1, tie_word_embeddings=False)
     return layer
