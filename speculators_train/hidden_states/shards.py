@@ -41,6 +41,11 @@ TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_state", "offse
 STATE_TENSORS = {"aux+final": ("aux_hidden_states", "hidden_state"), "final": ("hidden_state",), "none": ()}
 
 
+def tensor_names(states: str) -> tuple[str, ...]:
+    """The tensors of a shard holding `states` ("aux+final", "final" or "none"); `offsets` last."""
+    return ("input_ids", "loss_mask", *STATE_TENSORS[states], "offsets")
+
+
 def stored_states(identity: dict[str, Any]) -> str:
     """The target states a shard set holds ("aux+final", "final" or "none"), from its manifest identity."""
     return identity.get("target_states", "aux+final")
@@ -138,7 +143,7 @@ class HiddenStateShards(torch.utils.data.Dataset):
         self.index: list[tuple[int, int]] = []
         self.lengths: list[int] = []  # tokens per sample, for length-bucketed batching
         self.verified: set[int] = set()  # shards whose sha256 was checked by this process
-        self.keys = ("input_ids", "loss_mask", *STATE_TENSORS[states or stored_states(self.manifest["identity"])])
+        self.keys = tensor_names(states or stored_states(self.manifest["identity"]))[:-1]  # per sample: no offsets
         for entry in self.manifest["splits"][split]["shards"]:
             if not entry["num_samples"]:
                 continue
@@ -196,7 +201,7 @@ def validate(directory: Path) -> list[str]:
             with open_tensors(path, "hidden-state shard") as fh:
                 names = fh.keys()  # safetensors' reader is not iterable
                 t = {key: fh.get_tensor(key) for key in names}
-            if sorted(t) != sorted(k for k in TENSORS if k in held or k not in STATE_TENSORS["aux+final"]):
+            if sorted(t) != sorted(tensor_names(stored_states(identity))):
                 problems.append(f"{path}: holds {sorted(t)}, the manifest's states are {stored_states(identity)!r}")
                 continue
             n_tok = t["input_ids"].numel()
