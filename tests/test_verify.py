@@ -128,10 +128,11 @@ def test_the_loop_drafts_what_training_teaches_at_the_same_positions(target, ran
     out = SpeculativeDecoder(target, proposer, GREEDY, 3).generate(prompts[0], 40, eos_ids(target))
     assert out.tokens == references[0] and max(out.accepted) == 3
     ids = prompts[0] + out.tokens
-    seq = torch.tensor([ids])
+    seq = torch.tensor([ids], device=target.device)
     with torch.no_grad():
         aux, _ = target.hidden_states(seq, torch.ones_like(seq))
-        logits = draft.ttt_forward(seq[:, 1:], aux[:, :-1], torch.arange(1, len(ids))[None], 1)[0][0]
+        positions = torch.arange(1, len(ids), device=seq.device)[None]
+        logits = draft.ttt_forward(seq[:, 1:], aux[:, :-1], positions, 1)[0][0]
     taught = proposer.targets[logits.argmax(-1)]  # index j: the draft's guess for x_{j+2}
     # The same draft committing 1-4 target states at a time, as the loop does after partial acceptance.
     proposer.reset()
@@ -202,8 +203,9 @@ class TargetSampler:
         seq, tokens, qs = list(self.seq), [], []
         for _ in range(k):
             if tuple(seq) not in self.memo:
+                ids = torch.tensor([seq], device=self.target.device)
                 with torch.no_grad():
-                    self.memo[tuple(seq)] = self.target.model(torch.tensor([seq])).logits[0, -1]
+                    self.memo[tuple(seq)] = self.target.model(ids).logits[0, -1]
             q = torch.softmax(self.memo[tuple(seq)] / 1.6, dim=-1)
             token = int(torch.multinomial(q, 1, generator=generator)) if sampling.samples_drafts else int(q.argmax())
             tokens.append(token)
@@ -246,7 +248,7 @@ def test_sampled_first_and_second_tokens_follow_the_target(target, draft_samplin
     with packed_linears([target.model], verify_width(1, None)):
         runner = PrefilledOnce(target, prompt)
         for seed in range(runs):
-            g = torch.Generator().manual_seed(seed)
+            g = torch.Generator(target.device).manual_seed(seed)
             sampling = Sampling(1.0, draft_sampling=draft_sampling)
             decoder = SpeculativeDecoder(target, TargetSampler(target, prompt, memo), sampling, 1)
             decoder.runner = runner
@@ -256,7 +258,7 @@ def test_sampled_first_and_second_tokens_follow_the_target(target, draft_samplin
 
     def check(prefix, samples):
         with torch.no_grad():
-            p = target_probs(target.model(torch.tensor([prefix])).logits[0, -1], Sampling(1.0))
+            p = target_probs(target.model(torch.tensor([prefix], device=target.device)).logits[0, -1], Sampling(1.0))
         distance, threshold = tv(samples, p), tv_threshold(p, len(samples))
         assert distance < threshold, f"TV {distance:.3f} vs 4x noise {threshold:.3f}"
 
@@ -345,7 +347,9 @@ def test_a_draft_cast_to_bf16_keeps_rope_frequencies_in_fp32(tmp_path, random_dr
     draft = load_draft_for(bf16, tmp_path / "step-000001").draft
     assert draft.fc.weight.dtype == torch.bfloat16
     assert draft.rotary_emb.inv_freq.dtype == torch.float32
-    torch.testing.assert_close(draft.rotary_emb.inv_freq, random_draft.rotary_emb.inv_freq.float(), rtol=0, atol=0)
+    torch.testing.assert_close(
+        draft.rotary_emb.inv_freq, random_draft.rotary_emb.inv_freq.float().cpu(), rtol=0, atol=0
+    )
 
 
 def test_a_draft_for_another_target_or_a_suite_without_prompts_is_refused(tmp_path, target):

@@ -28,6 +28,14 @@ class DraftModelProposer:
         self.cached = 0  # tokens whose keys and values are in the cache (the committed ones)
         self.logits: torch.Tensor | None = None
 
+    def _drop_drafts(self) -> None:
+        """The cache back to the committed tokens. `crop` is given a negative count, the one spelling every
+        transformers release reads as "remove this many" (a positive one meant a length before 5.18), and is not
+        called with 0, which older releases read as "keep none"."""
+        extra = self.cache.get_seq_length() - self.cached
+        if extra > 0:
+            self.cache.crop(-extra)
+
     def _step(self, tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor([tokens], device=self.device)
         out = self.draft(ids, past_key_values=self.cache, use_cache=True)
@@ -35,7 +43,7 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def extend(self, tokens: list[int], states: torch.Tensor | None) -> None:
-        self.cache.crop(self.cached)  # what the last proposal drafted is gone
+        self._drop_drafts()
         self.tokens.extend(tokens)
         self.logits = self._step(self.tokens[self.cached :])
         self.cached = len(self.tokens)
@@ -50,14 +58,14 @@ class DraftModelProposer:
         for step in range(k):
             if sampling.samples_drafts:
                 q = torch.softmax(logits / sampling.temperature, dim=-1)
-                token = int(torch.multinomial(q.cpu(), 1, generator=generator))
+                token = int(torch.multinomial(q, 1, generator=generator))  # the generator is on the loop's device
                 qs.append(q)
             else:
                 token = int(logits.argmax())
             drafts.append(token)
             if step < k - 1:
                 logits = self._step([token])
-        self.cache.crop(self.cached)
+        self._drop_drafts()
         return drafts, torch.stack(qs) if qs else None
 
     def propose_tree(self, spec: TreeSpec) -> DraftTree:
