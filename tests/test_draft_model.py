@@ -1,6 +1,7 @@
 """The standalone draft model family: its alignment with the target's distribution, its own KV cache in the verify
 loop, and what it refuses."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,7 @@ def test_a_draft_that_is_the_whole_target_matches_its_distribution_at_every_posi
     mask[len(ids) // 2 :] = True
     with torch.no_grad():
         _, final = target.hidden_states(ids[None], torch.ones_like(ids)[None])
-        batch = collate([{"input_ids": ids, "loss_mask": mask, "hidden_state": final[0]}])
+        batch = collate([{"input_ids": ids, "loss_mask": mask, "hidden_state": final[0].cpu()}])
         config, weights = head_weights
         loss, sums = family.objective(draft, TargetHead.from_weights(config, weights), family.settings())(batch)
     assert float(loss) < 1e-4
@@ -78,9 +79,22 @@ def test_layers_the_target_does_not_have_are_refused(head_weights):
         new_draft(head_weights, layers=[0, 30])
 
 
+def test_a_fresh_draft_has_the_asked_shape_its_own_head_and_the_targets_vocabulary(head_weights):
+    """`start: fresh` changes only the config keys it names; a misspelt key is refused, not ignored."""
+    small = {"num_hidden_layers": 1, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2}
+    _, draft = new_draft(head_weights, start="fresh", fresh_config={**small, "num_key_value_heads": 1})
+    cfg = draft.config.llama
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads, cfg.vocab_size) == (1, 128, 1, 49152)
+    assert not cfg.tie_word_embeddings
+    assert draft.lm.lm_head.weight.data_ptr() != draft.lm.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        assert draft(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 49152)
+    with pytest.raises(UserError, match=r"draft\.fresh_config\.hidden_sise: not a setting of the target's llama"):
+        new_draft(head_weights, start="fresh", fresh_config={"hidden_sise": 128})
+
+
 def test_a_starting_model_with_another_tokenizer_is_refused(tmp_path, head_weights):
     """Draft ids are verified as target ids: a model whose tokenizer maps one id to another token cannot draft."""
-    import json
     import shutil
 
     config, _ = head_weights
@@ -107,3 +121,58 @@ def test_the_recipe_refuses_trees_and_layer_lists_it_cannot_build(tmp_path):
         load_recipe(path, {"eval.mode": "tree"})
     with pytest.raises(UserError, match=r"draft\.layers \[2, 1\]: ascending, distinct"):
         load_recipe(path, {"draft.layers": [2, 1]})
+
+
+# SGLang's LlamaForCausalLM.load_weights (python/sglang/srt/models/llama.py): these checkpoint names load into one
+# stacked parameter each, by shard.
+SGLANG_STACKED = (
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+)
+SGLANG_LAYER_PARAMS = (
+    "self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight",
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+)  # fmt: skip
+
+
+def test_sglang_standalone_loads_every_tensor_of_the_folder_with_its_own_head(tmp_path, fitted):
+    """SGLang's STANDALONE worker loads the draft as a plain model with its own embedding and head (it calls
+    TpModelWorker, not the EAGLE worker that takes the target's), through LlamaForCausalLM.load_weights: q/k/v and
+    gate/up are stacked, lm_head is dropped when tie_word_embeddings is true, and a name it does not know is skipped
+    with a warning. Every tensor we write lands on a parameter, every parameter shard is written, and the trained,
+    untied head is what it loads."""
+    from safetensors import safe_open
+
+    from speculators_train.export.run import export
+
+    recipe, checkpoint, _, _ = fitted("draft_model")
+    out = export(recipe, checkpoint, "hf", tmp_path / "hf").path
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is False
+    loaded: dict[str, set] = {}
+    with safe_open(out / "model.safetensors", "pt") as f:
+        names = list(f.keys())
+        head, embed = f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight")
+    for name in names:
+        if "rotary_emb.inv_freq" in name or (config["tie_word_embeddings"] and "lm_head.weight" in name):
+            continue
+        stacked = next(((param, weight, shard) for param, weight, shard in SGLANG_STACKED if weight in name), None)
+        key, shard = (name.replace(stacked[1], stacked[0]), stacked[2]) if stacked else (name, None)
+        loaded.setdefault(key, set()).add(shard)
+    layers = range(config["num_hidden_layers"])
+    params = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    params |= {f"model.layers.{i}.{p}" for i in layers for p in SGLANG_LAYER_PARAMS}
+    assert set(loaded) == params
+    for name, shards in loaded.items():
+        expected = {"qkv_proj": {"q", "k", "v"}, "gate_up_proj": {0, 1}}
+        assert shards == next((v for k, v in expected.items() if k in name), {None}), name
+    assert head.shape == embed.shape and not torch.equal(head, embed)  # trained apart: a tied load would lose it
+    printed = get("draft_model").formats["hf"].commands(out, "HuggingFaceTB/SmolLM2-135M-Instruct", recipe.eval, 4)
+    assert any(
+        f"--speculative-algorithm STANDALONE --speculative-draft-model-path {out} --speculative-num-steps 4 "
+        "--speculative-eagle-topk 1 --speculative-num-draft-tokens 5" in line
+        for line in printed
+    )

@@ -67,7 +67,9 @@ def test_each_setting_passes_the_flags_llamacpp_needs(tmp_path):
     flags = dict(zip(args[::2], args[1::2], strict=True))
     assert flags["-md"] == str(tmp_path / "draft.gguf")
     assert flags["--spec-type"] == "draft-eagle3"  # not detected from the file
-    assert "--spec-type" not in draft_args(tmp_path / "d.gguf", "llama", 3)  # a plain draft model: llama.cpp's default
+    plain = draft_args(tmp_path / "d.gguf", "llama", 3)  # a plain LM: without a type llama.cpp never drafts
+    assert plain[plain.index("--spec-type") + 1] == "draft-simple"
+    assert "--spec-type" not in draft_args(tmp_path / "d.gguf", "dflash", 3)  # detected from the file
     assert (flags["--spec-draft-n-max"], flags["--spec-draft-p-min"]) == ("3", "0.2")
     assert ngram_args == ["--spec-type", "ngram-mod"]
 
@@ -183,3 +185,38 @@ def test_llamacpp_runs_a_norm_before_fc_draft_as_trained(tmp_path, target, fitte
     ours = ours.generate(prompt, 48, eos_ids(target), None)
     assert ours.tokens == drafted.tokens
     assert abs(sum(ours.accepted) - drafted.accepted) <= 2, (ours.accepted, drafted)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_llamacpp_serves_a_draft_model_with_its_own_output_and_our_acceptance(tmp_path, target, fitted):
+    """A standalone draft converted by llama.cpp's own converter and run with `-md` (no `--spec-type`): the target's
+    own greedy output, and the drafts our loop accepts with the same draft, K and unquantized weights."""
+    from gguf import GGUFReader
+
+    from speculators_train.proposal import Sampling
+    from speculators_train.verify.decoder import SpeculativeDecoder
+    from speculators_train.verify.run import eos_ids, load_draft_for
+
+    recipe, checkpoint, prompt, _ = fitted("draft_model")
+    fmt = get("draft_model").formats["gguf"]
+    out = export(recipe, checkpoint, "gguf", tmp_path / "gguf", dtype="float32").path
+    reader = GGUFReader(out / fmt.draft_file)
+    arch = reader.fields["general.architecture"]
+    assert bytes(arch.parts[arch.data[0]]).decode() == fmt.draft_architecture
+    assert sum(t.name.startswith("blk.") and t.name.endswith("attn_q.weight") for t in reader.tensors) == 2
+    args = draft_args(out / fmt.draft_file, fmt.draft_architecture, 3)
+    assert args[args.index("--spec-type") + 1] == "draft-simple"  # else llama-server loads it and never drafts
+    target_gguf = f32_gguf(Path(resolve_source(recipe.target)[0]))
+    with (
+        Server(target_gguf, [], tmp_path / "base.log") as base,
+        Server(target_gguf, args, tmp_path / "spec.log") as spec,
+    ):
+        reference = base.complete(prompt, 48)
+        drafted = spec.complete(prompt, 48)
+    assert drafted.tokens == reference.tokens
+    draft = load_draft_for(target, checkpoint).draft
+    ours = SpeculativeDecoder(target, get("draft_model").proposer(draft, target), Sampling(), 3, None)
+    ours = ours.generate(prompt, 48, eos_ids(target), None)
+    assert ours.tokens == drafted.tokens
+    assert drafted.accepted > 0 and abs(sum(ours.accepted) - drafted.accepted) <= 2, (ours.accepted, drafted)

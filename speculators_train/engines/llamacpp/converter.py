@@ -17,6 +17,7 @@ from speculators_train.engines.llamacpp.build import home, locked, vendored_sour
 from speculators_train.errors import UserError
 
 CONVERTER = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
+OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # its --outtype for each export dtype
 
 
 def ensure_converter() -> Path:

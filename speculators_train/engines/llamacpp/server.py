@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import time
@@ -25,20 +26,27 @@ from speculators_train import children
 from speculators_train.engines.llamacpp.build import ensure_built
 from speculators_train.errors import UserError
 
-# The speculative type llama-server must be told for a draft GGUF of an architecture: it detects DFlash, DSpark and
-# MTP drafts from the file itself (common/speculative.cpp, `common_speculative_types_from_gguf`) but not EAGLE-3,
-# and runs any other `-md` model as a plain draft model.
+# llama-server detects DFlash and DSpark drafts (GGUF architecture `dflash`) and MTP heads from the file itself
+# (common/speculative.cpp, `common_speculative_types_from_gguf`); any other draft needs its type named: EAGLE-3 is
+# `draft-eagle3`, and a plain causal LM `draft-simple` (without it the server loads the draft and never drafts).
+DETECTED = frozenset({"dflash"})
 SPEC_TYPES = {"eagle3": "draft-eagle3"}
+PLAIN_LM = "draft-simple"
 
 
 def draft_args(draft: Path, architecture: str, k: int, p_min: float = 0.0) -> list[str]:
     """llama-server's arguments for the draft GGUF `draft` (of GGUF `architecture`) at K draft tokens per step
     (p_min 0: every step drafts all K)."""
-    spec_type = ["--spec-type", SPEC_TYPES[architecture]] if architecture in SPEC_TYPES else []
+    spec_type = [] if architecture in DETECTED else ["--spec-type", SPEC_TYPES.get(architecture, PLAIN_LM)]
     return [
         "-md", str(draft), *spec_type,
         "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", f"{p_min:g}",
     ]  # fmt: skip
+
+
+def serve_command(verifier: str, draft: Path, architecture: str, k: int) -> str:
+    """The `llama-server` command line a user runs for the target GGUF `verifier` with this draft."""
+    return f"llama-server {shlex.join(['-m', verifier, *draft_args(draft, architecture, k)])}"
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from speculators_train.errors import UserError
 from speculators_train.families.base import Family
@@ -20,8 +20,16 @@ from speculators_train.target import NO_STATES, StateSpec, Target, TargetHead
 
 
 def starting_model(settings: Settings, target_dir: str) -> nn.Module:
-    """The LM a fresh draft copies: the target cut to `settings.layers`, or the model `settings.start` names, whose
-    tokenizer must be the target's (draft ids are verified as target ids)."""
+    """The LM a new draft copies: the target cut to `settings.layers`, a random model of the target's architecture
+    (`fresh`), or the model `settings.start` names, whose tokenizer must be the target's (draft ids are verified as
+    target ids)."""
+    if settings.start == "fresh":
+        config = AutoConfig.from_pretrained(target_dir)
+        for key, value in settings.fresh_config.items():
+            if key == "vocab_size" or not hasattr(config, key):
+                raise UserError(f"draft.fresh_config.{key}: not a setting of the target's {config.model_type} config")
+            setattr(config, key, value)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if settings.start == "target_layers":
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
         n = model.config.num_hidden_layers

@@ -4,17 +4,21 @@
     model.safetensors   model.embed_tokens, model.layers.*, model.norm, lm_head (transformers' names)
     tokenizer files     the target's, with its chat template (`export` writes them beside every format)
 
-vLLM serves it as `{"method": "draft_model", "model": <folder>}`, SGLang as `--speculative-algorithm STANDALONE`,
-llama.cpp as `-md` after its own converter.
+vLLM serves it as `{"method": "draft_model", "model": <folder>}`, SGLang as `--speculative-algorithm STANDALONE`.
+The `gguf` format is the same folder plus `draft.gguf`, made from it by llama.cpp's own converter, which
+`llama-server -md` runs as a plain draft model (`--spec-type draft-simple`: `engines.llamacpp.server`).
 """
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from speculators_train.engines.llamacpp.converter import OUTTYPES, convert
+from speculators_train.engines.llamacpp.server import serve_command
 from speculators_train.families.base import ExportFormat
 from speculators_train.families.draft_model.model import DraftModelConfig, StandaloneDraft, checked_config, lm_values
 from speculators_train.families.format_common import export_tensors, load_checked, read_weights, vllm_serve
@@ -57,4 +61,28 @@ class ModelFolderFormat(ExportFormat):
         return {"model": str(out), "method": "draft_model", "num_speculative_tokens": k}
 
     def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
-        return [vllm_serve(verifier, self.vllm_speculative_config(out, k))]
+        sglang = (
+            f"python -m sglang.launch_server --model-path {shlex.quote(verifier)} --speculative-algorithm STANDALONE "
+            f"--speculative-draft-model-path {shlex.quote(str(out))} --speculative-num-steps {k} "
+            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
+        )
+        return [vllm_serve(verifier, self.vllm_speculative_config(out, k)), sglang]
+
+
+class GGUFFormat(ModelFolderFormat):
+    name = "gguf"
+    engines = "llama.cpp (`llama-server -md draft.gguf`)"
+    draft_file = "draft.gguf"
+    draft_architecture = "llama"
+
+    def detect(self, config: dict[str, Any]) -> bool:
+        return False  # the directory's config.json is the model folder's, read back as that format
+
+    def finish(self, out: Path, target_dir: Path, dtype: str) -> None:
+        convert(out, out / self.draft_file, OUTTYPES[dtype])
+
+    def vllm_speculative_config(self, out: Path, k: int) -> dict[str, Any] | None:
+        return None  # vLLM serves the folder itself: export --format hf
+
+    def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
+        return [serve_command(verifier, out / self.draft_file, self.draft_architecture, k)]

@@ -14,13 +14,19 @@ class Settings(FamilySettings):
     family: Literal["draft_model"] = "draft_model"
     start: str = Field(
         "target_layers",
-        description="target_layers: a copy of the target keeping `layers`; else a hub id or folder of a smaller "
-        "model with the target's tokenizer.",
+        description="target_layers: a copy of the target keeping `layers`; fresh: a randomly initialised model of "
+        "the target's architecture with `fresh_config` applied; else a hub id or folder of a smaller model with the "
+        "target's tokenizer.",
     )
     layers: list[int] = Field([0, 1], min_length=1, description="The target's layers a target_layers draft keeps.")
+    fresh_config: dict[str, int | float] = Field(
+        {"num_hidden_layers": 2},
+        description="start: fresh: keys of the target's config to change (num_hidden_layers, hidden_size, "
+        "intermediate_size, num_attention_heads, ...); the vocabulary stays the target's.",
+    )
     loss: Divergence = Field("forward_kl", description="The divergence to the target's distribution (DistillSpec).")
 
-    formats: ClassVar[dict[str, str]] = {"hf": "formats:ModelFolderFormat"}
+    formats: ClassVar[dict[str, str]] = {"hf": "formats:ModelFolderFormat", "gguf": "formats:GGUFFormat"}
     target_states: ClassVar[TargetStates] = "final"  # the target's distribution, through its norm and head
 
     def recipe_problems(self, recipe: Any) -> list[str]:

@@ -16,16 +16,13 @@ What llama.cpp does with it (SPEC.md section 10), and why the writer refuses som
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import Any
 
-from speculators_train.engines.llamacpp.converter import convert
-from speculators_train.engines.llamacpp.server import draft_args
+from speculators_train.engines.llamacpp.converter import OUTTYPES, convert
+from speculators_train.engines.llamacpp.server import serve_command
 from speculators_train.families.eagle3.formats import SpeculatorsFormat
 from speculators_train.families.eagle_arch.model import Eagle3Draft
-
-OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 class GGUFFormat(SpeculatorsFormat):
@@ -54,5 +51,4 @@ class GGUFFormat(SpeculatorsFormat):
         convert(out, out / self.draft_file, OUTTYPES[dtype], target_dir=target_dir)
 
     def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
-        args = draft_args(out / self.draft_file, self.draft_architecture, k)
-        return [f"llama-server {shlex.join(['-m', verifier, *args])}"]
+        return [serve_command(verifier, out / self.draft_file, self.draft_architecture, k)]
