@@ -118,8 +118,9 @@ FIT_SETTINGS = {
     "peagle": {"depths": 4, "mask_token_id": 16, "draft_vocab_size": 512},
     "medusa": {"num_heads": 3, "draft_vocab_size": 512},
     "draft_model": {"layers": [0, 1]},
+    "mlp": {"n_predict": 3, "inner_dim": 128},
 }
-FIT_STEPS = {"draft_model": 30}  # its whole-vocabulary embedding and head make a step about 4x an EAGLE-3 step
+FIT_STEPS = {"draft_model": 30, "mlp": 60}  # whole-vocabulary embeddings and heads: a step is 3-4x EAGLE-3's
 
 
 def fit(target, tmp: Path, family: str = "eagle3", **settings):

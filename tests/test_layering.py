@@ -134,8 +134,10 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
-FAMILY_NAMES = re.compile(r"medusa|eagle3|peagle|draft_model|Medusa|Eagle3|PEagle|P-EAGLE|StandaloneDraft")
-RECIPE_FILE = re.compile(r"recipes/(medusa|eagle3|peagle|draft_model)[\w.-]*\.yaml")
+FAMILY_NAMES = re.compile(
+    r"medusa|eagle3|peagle|draft_model|mlp_speculator|Medusa|Eagle3|PEagle|P-EAGLE|StandaloneDraft|MLPDraft|\bmlp\b"
+)
+RECIPE_FILE = re.compile(r"recipes/(medusa|eagle3|peagle|draft_model|mlp)[\w.-]*\.yaml")
 # An engine's own vocabulary: llama.cpp's GGUF architecture "eagle3" and the speculative type it must be told for it.
 ENGINE_WORDS = re.compile(r'"eagle3": "draft-eagle3"')
 

@@ -15,6 +15,7 @@ FAMILIES = (
     "eagle3",  # EAGLE-3: fused target states + one decoder layer, trained with training-time test (the default)
     "medusa",  # Medusa-1: heads over the target's last hidden state
     "peagle",  # P-EAGLE: an EAGLE-3-shaped draft proposing every draft token in one forward
+    "mlp",  # the MLP speculator: stages over the target's last state, each fed the token drafted before it
     "draft_model",  # a standalone small causal LM with the target's tokenizer (last: its format is a plain folder)
 )
 

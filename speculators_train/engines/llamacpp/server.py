@@ -27,8 +27,9 @@ from speculators_train.engines.llamacpp.build import ensure_built
 from speculators_train.errors import UserError
 
 # llama-server detects DFlash and DSpark drafts (GGUF architecture `dflash`) and MTP heads from the file itself
-# (common/speculative.cpp, `common_speculative_types_from_gguf`); any other draft needs its type named: EAGLE-3 is
-# `draft-eagle3`, and a plain causal LM `draft-simple` (without it the server loads the draft and never drafts).
+# (common/speculative.cpp, `common_speculative_types_from_gguf`); any other draft needs its type named: the one
+# SPEC_TYPES holds for its architecture, else `draft-simple`, a plain causal LM (without a type the server loads the
+# draft and never drafts).
 DETECTED = frozenset({"dflash"})
 SPEC_TYPES = {"eagle3": "draft-eagle3"}
 PLAIN_LM = "draft-simple"

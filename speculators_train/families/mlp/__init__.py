@@ -1,0 +1,1 @@
+"""The MLP speculator family (IBM, arXiv 2404.19124)."""
