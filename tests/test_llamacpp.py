@@ -21,6 +21,16 @@ from speculators_train.verify.engine import f32_gguf, first_divergence, record, 
 from .conftest import SHAREGPT, make_recipe
 
 
+def decoded(recipe, args: list[str], prompt: list[int], tmp_path: Path) -> tuple[Completion, Completion]:
+    """(target-only, with `args`) greedy completions of `prompt` by llama-server on the recipe's target as F32."""
+    target_gguf = f32_gguf(Path(resolve_source(recipe.target)[0]))
+    with (
+        Server(target_gguf, [], tmp_path / "base.log") as base,
+        Server(target_gguf, args, tmp_path / "spec.log") as spec,
+    ):
+        return base.complete(prompt, 48), spec.complete(prompt, 48)
+
+
 def test_metrics_text_parses_counters_and_per_position_acceptance():
     text = "\n".join(
         [
@@ -139,14 +149,7 @@ def test_llamacpp_with_our_draft_gives_its_own_target_only_output_on_an_unquanti
     draft, and the draft fitted to this reply must be accepted."""
     recipe, checkpoint, prompt, _ = fitted()
     out = export(recipe, checkpoint, "gguf", tmp_path / "gguf", dtype="float32").path
-    target_gguf = f32_gguf(Path(resolve_source(recipe.target)[0]))
-    args = draft_args(out / "draft.gguf", "eagle3", 3)
-    with (
-        Server(target_gguf, [], tmp_path / "base.log") as base,
-        Server(target_gguf, args, tmp_path / "spec.log") as spec,
-    ):
-        reference = base.complete(prompt, 48)
-        drafted = spec.complete(prompt, 48)
+    reference, drafted = decoded(recipe, draft_args(out / "draft.gguf", "eagle3", 3), prompt, tmp_path)
     assert drafted.tokens == reference.tokens
     assert drafted.steps > 0 and drafted.accepted > 0, drafted
 
@@ -171,13 +174,7 @@ def test_llamacpp_runs_a_norm_before_fc_draft_as_trained(tmp_path, target, fitte
     norm = load_draft(checkpoint, target.num_layers).draft.input_norm.weight
     stored = [t for t in reader.tensors if tuple(t.data.shape) == tuple(norm.shape) and "norm" in t.name]
     assert len(stored) == 1 and torch.allclose(torch.from_numpy(stored[0].data.copy()), norm.detach())
-    target_gguf = f32_gguf(Path(resolve_source(recipe.target)[0]))
-    with (
-        Server(target_gguf, [], tmp_path / "base.log") as base,
-        Server(target_gguf, draft_args(out / "draft.gguf", "eagle3", 3), tmp_path / "spec.log") as spec,
-    ):
-        reference = base.complete(prompt, 48)
-        drafted = spec.complete(prompt, 48)
+    reference, drafted = decoded(recipe, draft_args(out / "draft.gguf", "eagle3", 3), prompt, tmp_path)
     assert drafted.tokens == reference.tokens
     assert drafted.accepted >= 0.5 * drafted.drafted > 0, drafted
     draft = load_draft_for(target, checkpoint).draft
@@ -207,13 +204,7 @@ def test_llamacpp_serves_a_draft_model_with_its_own_output_and_our_acceptance(tm
     assert sum(t.name.startswith("blk.") and t.name.endswith("attn_q.weight") for t in reader.tensors) == 2
     args = draft_args(out / fmt.draft_file, fmt.draft_architecture, 3)
     assert args[args.index("--spec-type") + 1] == "draft-simple"  # else llama-server loads it and never drafts
-    target_gguf = f32_gguf(Path(resolve_source(recipe.target)[0]))
-    with (
-        Server(target_gguf, [], tmp_path / "base.log") as base,
-        Server(target_gguf, args, tmp_path / "spec.log") as spec,
-    ):
-        reference = base.complete(prompt, 48)
-        drafted = spec.complete(prompt, 48)
+    reference, drafted = decoded(recipe, args, prompt, tmp_path)
     assert drafted.tokens == reference.tokens
     draft = load_draft_for(target, checkpoint).draft
     ours = SpeculativeDecoder(target, get("draft_model").proposer(draft, target), Sampling(), 3, None)
