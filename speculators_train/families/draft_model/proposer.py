@@ -29,9 +29,9 @@ class DraftModelProposer:
         self.logits: torch.Tensor | None = None
 
     def _drop_drafts(self) -> None:
-        """The cache back to the committed tokens. `crop` is given a negative count, the one spelling every
-        transformers release reads as "remove this many" (a positive one meant a length before 5.18), and is not
-        called with 0, which older releases read as "keep none"."""
+        """The cache back to the committed tokens. `crop` is given a negative count, which every transformers
+        release reads as "remove this many" (a positive one is a length in some releases, deprecated in others),
+        and is not called with 0, which older releases read as "keep none"."""
         extra = self.cache.get_seq_length() - self.cached
         if extra > 0:
             self.cache.crop(-extra)

@@ -14,7 +14,7 @@ MAX_STAGES = 16  # the published speculators have 3 to 5 stages; each holds a vo
 class Settings(FamilySettings):
     family: Literal["mlp"] = "mlp"
     n_predict: int = Field(3, gt=0, le=MAX_STAGES, description="Stages: stage i proposes token t+2+i.")
-    inner_dim: int = Field(0, ge=0, description="Width of each stage's state; 0: the target's hidden size.")
+    inner_dim: int = Field(0, ge=0, le=65_536, description="Width of each stage's state; 0: the target's width.")
     tie_weights: bool = Field(
         True, description="One embedding, norm and inner projection shared by every stage (heads stay apart)."
     )
