@@ -51,8 +51,17 @@ def vllm_speculator(out, monkeypatch):
 def test_vllms_own_classes_load_our_export_and_compute_our_stages(tmp_path, target, fitted, monkeypatch, tie):
     """Every parameter of vLLM's MLPSpeculator is loaded from our file (a tied one once, by its first index), and
     its modules and constants (state and embedding weights, its layer norm, GELU), composed as its proposal loop
-    composes them, give our stage logits on the same state and tokens."""
-    recipe, checkpoint, prompt, reply = fitted("mlp") if tie else fitted("mlp", tie_weights=False)
+    composes them, give our stage logits on the same state and tokens. The untied draft is at random weights: the
+    check is of the files and the arithmetic, which no fit changes."""
+    from speculators_train.training.checkpoint import save_checkpoint
+
+    recipe, checkpoint, prompt, reply = fitted("mlp")
+    if not tie:
+        family = get("mlp")
+        settings = family.settings(n_predict=3, inner_dim=128, tie_weights=False)
+        head = {"lm_head": target.lm_head.weight}
+        draft = family.new_draft(settings, target.config, head, torch.zeros(1), [])
+        checkpoint = save_checkpoint(tmp_path / "untied", 1, draft, None, {"step": 1}, keep_last=1)
     out = export(recipe, checkpoint, "vllm", tmp_path / "vllm", "float32").path
     vl, loaded = vllm_speculator(out, monkeypatch)
     assert loaded == {name for name, _ in vl.named_parameters()}
