@@ -140,6 +140,15 @@ def vllm_serve(verifier: str, speculative_config: dict[str, Any]) -> str:
     return f"vllm serve {shlex.quote(verifier)} --speculative-config {shlex.quote(json.dumps(speculative_config))}"
 
 
+def sglang_serve(verifier: str, draft: Path, algorithm: str, steps: int, top_k: int, tokens: int) -> str:
+    """The `sglang.launch_server` line for the draft folder `draft` under `--speculative-algorithm algorithm`."""
+    return (
+        f"python -m sglang.launch_server --model-path {shlex.quote(verifier)} --speculative-algorithm {algorithm} "
+        f"--speculative-draft-model-path {shlex.quote(str(draft))} --speculative-num-steps {steps} "
+        f"--speculative-eagle-topk {top_k} --speculative-num-draft-tokens {tokens}"
+    )
+
+
 def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
     """Every tensor of the directory's safetensors files, and what to name as their source in messages (the one
     file, or the directory when the weights are sharded)."""

@@ -11,7 +11,6 @@ The `gguf` format is the same folder plus `draft.gguf`, made from it by llama.cp
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,13 @@ from speculators_train.engines.llamacpp.converter import OUTTYPES, convert
 from speculators_train.engines.llamacpp.server import serve_command
 from speculators_train.families.base import ExportFormat
 from speculators_train.families.draft_model.model import DraftModelConfig, StandaloneDraft, checked_config, lm_values
-from speculators_train.families.format_common import export_tensors, load_checked, read_weights, vllm_serve
+from speculators_train.families.format_common import (
+    export_tensors,
+    load_checked,
+    read_weights,
+    sglang_serve,
+    vllm_serve,
+)
 from speculators_train.loading import reading
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -61,11 +66,7 @@ class ModelFolderFormat(ExportFormat):
         return {"model": str(out), "method": "draft_model", "num_speculative_tokens": k}
 
     def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
-        sglang = (
-            f"python -m sglang.launch_server --model-path {shlex.quote(verifier)} --speculative-algorithm STANDALONE "
-            f"--speculative-draft-model-path {shlex.quote(str(out))} --speculative-num-steps {k} "
-            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
-        )
+        sglang = sglang_serve(verifier, out, "STANDALONE", k, 1, k + 1)
         return [vllm_serve(verifier, self.vllm_speculative_config(out, k)), sglang]
 
 

@@ -55,6 +55,7 @@ from speculators_train.families.format_common import (
     dict_field,
     export_tensors,
     read_weights,
+    sglang_serve,
     shown,
     vllm_serve,
 )
@@ -194,8 +195,4 @@ class SGLangFormat(ExportFormat):
             steps, topk, tokens = ev.tree.depth, ev.tree.top_k, ev.tree.budget + 1
         else:
             steps, topk, tokens = k, 1, k + 1
-        return [
-            f"python -m sglang.launch_server --model-path {shlex.quote(verifier)} --speculative-algorithm EAGLE3 "
-            f"--speculative-draft-model-path {shlex.quote(str(out))} --speculative-num-steps {steps} "
-            f"--speculative-eagle-topk {topk} --speculative-num-draft-tokens {tokens}"
-        ]
+        return [sglang_serve(verifier, out, "EAGLE3", steps, topk, tokens)]
