@@ -178,11 +178,12 @@ def test_output_written_before_a_regenerate_option_existed_still_trains_and_reru
         OfflineSource(regenerated, world=1, rank=0)
 
 
-def test_a_medusa_recipe_stores_the_final_state_alone_and_a_family_takes_a_set_that_holds_what_it_reads(
+def test_a_medusa_or_mlp_recipe_stores_the_final_state_alone_and_a_family_takes_a_set_that_holds_what_it_reads(
     generated, tmp_path
 ):
-    """`generate` stores what the recipe's family trains on: Medusa heads read the final state, so no aux states;
-    EAGLE-3's set (aux + final) serves a Medusa recipe as it is, and Medusa's set is refused to EAGLE-3 in one line."""
+    """`generate` stores what the recipe's family trains on: Medusa heads and MLP stages read the final state, so no
+    aux states; EAGLE-3's set (aux + final) serves a Medusa recipe as it is, and Medusa's set is refused to EAGLE-3
+    in one line."""
     eagle3, manifest = generated
     assert manifest["identity"]["target_states"] == "aux+final"
     sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}]
@@ -201,6 +202,17 @@ def test_a_medusa_recipe_stores_the_final_state_alone_and_a_family_takes_a_set_t
     assert sum(f.stat().st_size for f in directory.rglob("shard-*")) * 3 < sum(
         f.stat().st_size for f in eagle3.hidden_states_dir.rglob("shard-*")
     )
+    # An MLP speculator reads the same state, so its recipe stores the same files.
+    mlp = load_recipe(make_recipe(tmp_path / "p", sources, draft={"family": "mlp"}))
+    assert generate(mlp)["identity"]["target_states"] == "final" and validate(mlp.hidden_states_dir) == []
+    shards = sorted(p.relative_to(directory) for p in directory.glob("*/shard-*.safetensors"))
+    assert shards == sorted(p.relative_to(mlp.hidden_states_dir) for p in mlp.hidden_states_dir.glob("*/shard-*"))
+    for name in shards:
+        with safe_open(directory / name, framework="pt") as a, safe_open(mlp.hidden_states_dir / name, "pt") as b:
+            keys = a.keys()
+            assert keys == b.keys()
+            for key in keys:
+                torch.testing.assert_close(a.get_tensor(key), b.get_tensor(key), rtol=0, atol=0, msg=f"{name}:{key}")
 
     with pytest.raises(UserError, match=r"holds 'final' target states and a eagle3 draft trains on 'aux\+final'"):
         OfflineSource(medusa.model_copy(update={"draft": eagle3.draft}), world=1, rank=0)
