@@ -202,3 +202,26 @@ def test_medusa_heads_are_scored_distilled_gated_and_versioned_by_the_same_loop(
     for version in ("v0000", "v0001"):
         config = json.loads((root / "versions" / version / "speculators" / "config.json").read_text())
         assert config["model_type"] == "medusa" and config["num_heads"] == 3
+
+
+def test_a_standalone_draft_model_is_adapted_online_as_in_the_osd_paper(tmp_path, target):
+    """OSD's own setting (arXiv 2310.07177): a small causal LM, here the target's first two layers with its head,
+    distilled on the target's replies to live traffic. It reads no target state but the final one, learns its
+    whole body through the trainer's step, and each version is a plain model folder an engine loads."""
+    from speculators_train.families.drafts import draft_state_dict
+
+    settings = {"family": "draft_model", "start": "target_layers", "layers": [0, 1]}
+    recipe, logs, start = fresh_draft_on_logs(tmp_path, target, settings, [])
+    distiller = OnlineDistiller(recipe, logs, target)
+    assert distiller.general and all("aux_hidden_states" not in s for s in distiller.general)
+    (first,) = distiller.run()
+    assert first["records_seen"] == 24
+    assert first["promoted"], first["reason"]
+    assert first["candidate_log_al"] > first["log_al"] >= 1.0
+    trained, initial = draft_state_dict(distiller.trainee), draft_state_dict(start)
+    changed = {k.split(".layers.")[-1].split(".")[0] for k, v in initial.items() if not torch.equal(trained[k], v)}
+    assert {"0", "1"} <= changed, changed  # both kept layers learn, not only the head
+    folder = recipe.run_dir / "osd" / "current" / recipe.export.format
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"]) == ("llama", 2)
+    assert (folder / "tokenizer.json").is_file() and list(folder.glob("*.safetensors"))
