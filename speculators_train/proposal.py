@@ -70,6 +70,73 @@ class DraftTree:
                 self.children.setdefault(parent, []).append(node)
 
 
+@dataclass
+class GrowingTree:
+    """An EAGLE-2-style dynamic tree as a draft that reads its own tokens grows it: each expanded node gets its
+    `top_k` most probable children, scored by path log-probability. A child's score never exceeds its parent's,
+    so a best-first cut (`best`) keeps every kept node's parent."""
+
+    tokens: list[int] = field(default_factory=list)  # target ids
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    slots: dict[int, int] = field(default_factory=dict)  # node -> index of its key in the draft's cache, once fed
+
+    def add_children(self, parent: int, logits: torch.Tensor, top_k: int, ids: torch.Tensor | None = None) -> list[int]:
+        """The `top_k` best children of `parent` (-1: the pending token) under `logits`; `ids` maps a logit index
+        to its target id (a reduced draft vocabulary), else the index is the id."""
+        top = torch.log_softmax(logits.float(), dim=-1).topk(top_k)
+        base = 0.0 if parent < 0 else self.scores[parent]
+        added = []
+        for value, index in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            self.tokens.append(index if ids is None else int(ids[index]))
+            self.parents.append(parent)
+            self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+            self.scores.append(base + value)
+            added.append(len(self.tokens) - 1)
+        return added
+
+    def ancestors(self, node: int) -> list[int]:
+        """`node`'s parent, its parent's parent, ... (the pending token excluded)."""
+        out, parent = [], self.parents[node]
+        while parent >= 0:
+            out.append(parent)
+            parent = self.parents[parent]
+        return out
+
+    def feed_mask(self, frontier: list[int], committed: int, fed: int, device: torch.device) -> torch.Tensor:
+        """[len(frontier), fed + len(frontier)], True = attend: `frontier` fed at once to a draft whose cache holds
+        `fed` keys, the first `committed` of them committed tokens. Each node sees those, its ancestors and itself;
+        where its own key lands is recorded for its children."""
+        allowed = torch.zeros(len(frontier), fed + len(frontier), dtype=torch.bool, device=device)
+        allowed[:, :committed] = True
+        for row, node in enumerate(frontier):
+            self.slots[node] = fed + row
+            allowed[row, fed + row] = True
+            for ancestor in self.ancestors(node):
+                allowed[row, self.slots[ancestor]] = True
+        return allowed
+
+    def best(self, budget: int) -> DraftTree:
+        """The `budget` most probable nodes (ties to the shallower), parents before children."""
+        order = sorted(range(len(self.tokens)), key=lambda n: (-self.scores[n], self.depths[n]))
+        kept: list[int] = []
+        kept_set: set[int] = set()
+        for node in order:
+            if len(kept) == budget:
+                break
+            if self.parents[node] < 0 or self.parents[node] in kept_set:
+                kept.append(node)
+                kept_set.add(node)
+        kept.sort(key=lambda n: (self.depths[n], -self.scores[n]))
+        index = {node: i for i, node in enumerate(kept)}
+        return DraftTree(
+            tokens=[self.tokens[n] for n in kept],
+            parents=[index[self.parents[n]] if self.parents[n] >= 0 else -1 for n in kept],
+            depths=[self.depths[n] for n in kept],
+        )
+
+
 class Proposer(Protocol):
     states: StateSpec  # the target states `extend` receives
 

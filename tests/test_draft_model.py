@@ -9,7 +9,7 @@ import torch
 
 from speculators_train.errors import UserError
 from speculators_train.families import get
-from speculators_train.proposal import Sampling
+from speculators_train.proposal import Sampling, TreeSpec
 from speculators_train.recipe import TargetConfig
 from speculators_train.target import TargetHead, load_head_weights
 from speculators_train.training.data import collate
@@ -48,8 +48,8 @@ def test_a_draft_that_is_the_whole_target_matches_its_distribution_at_every_posi
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_draft_cache_is_cropped_to_what_was_committed(target, head_weights, prompts, temperature):
-    """After a proposal and a commit, the proposer's next logits are those of a fresh forward over every committed
-    token: nothing it drafted is left in its cache."""
+    """After proposals (a chain, a tree) and a commit, the proposer's next logits are those of a fresh forward over
+    every committed token: nothing it drafted is left in its cache."""
     family, draft = new_draft(head_weights, layers=[0, 1])
     proposer = family.proposer(draft, target)
     prompt = prompts[0]
@@ -57,21 +57,60 @@ def test_the_draft_cache_is_cropped_to_what_was_committed(target, head_weights, 
     proposer.extend(prompt[1:], None)
     generator = torch.Generator().manual_seed(0)
     proposer.propose_chain(3, Sampling(temperature), generator)
+    proposer.propose_tree(TreeSpec(top_k=3, depth=3, budget=8))
     proposer.extend([11, 12], None)
     with torch.no_grad():
         fresh = draft(torch.tensor([[*prompt, 11, 12]])).logits[0, -1].float()
     torch.testing.assert_close(proposer.logits, fresh, rtol=1e-4, atol=1e-4)
 
 
-def test_a_draft_that_is_the_target_has_every_draft_accepted_in_the_loop(target, head_weights, prompts, references):
-    """The whole target as its own draft: the loop gives the target's greedy output and accepts all K drafts of
+@pytest.mark.parametrize("tree", [None, TreeSpec(top_k=2, depth=4, budget=8)], ids=["chain", "tree"])
+def test_a_draft_that_is_the_target_has_every_draft_accepted_in_the_loop(
+    target, head_weights, prompts, references, tree
+):
+    """The whole target as its own draft: the loop gives the target's greedy output and accepts all 4 drafts of
     every step (up to float noise between a cached and a batched forward), which needs the draft's cache to hold
-    exactly the committed tokens, the first prompt token included."""
+    exactly the committed tokens, the first prompt token included, and a tree node's mask and position to be its
+    chain's."""
     family, draft = new_draft(head_weights, layers=list(range(target.num_layers)))
     proposer = family.proposer(draft, target)
-    result = SpeculativeDecoder(target, proposer, Sampling(), 4).generate(prompts[1], 40, eos_ids(target))
-    assert result.tokens == references[1]
+    result = SpeculativeDecoder(target, proposer, Sampling(), 4, tree).generate(prompts[1], 24, eos_ids(target))
+    assert result.tokens == references[1][:24]
     assert sum(result.accepted) >= 0.9 * 4 * len(result.accepted), result.accepted
+
+
+def test_a_trees_best_path_is_the_greedy_chain_whatever_its_siblings(target, head_weights, prompts, monkeypatch):
+    """Siblings fed in the same forward must not see each other (that changes the deeper tokens of the best path),
+    and each depth must sit at its chain position (that changes the logits a little, which the last depth's logits
+    against one forward over the prompt and the chain show). No greedy-identity test sees either mistake."""
+    family, draft = new_draft(head_weights, layers=list(range(target.num_layers)))  # a draft that reads context
+    proposer = family.proposer(draft, target)
+    prompt = prompts[1]
+    proposer.reset(prompt[0])
+    proposer.extend(prompt[1:], None)
+    chain, _ = proposer.propose_chain(5, Sampling(), None)
+    assert len(set(chain)) > 2  # a chain that says something, not one token repeated
+    forward, last = draft.forward, []
+
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        last[:] = [out.logits[0].float()]
+        return out
+
+    monkeypatch.setattr(draft, "forward", recording)
+    for spec in (TreeSpec(top_k=1, depth=5, budget=5), TreeSpec(top_k=4, depth=5, budget=40)):
+        tree = proposer.propose_tree(spec)
+        node, path = -1, []
+        for _ in range(5):
+            node = tree.children[node][0]  # best child first
+            path.append(tree.tokens[node])
+        assert path == chain, spec
+        assert len(tree.tokens) == spec.budget and max(tree.depths) == 5
+        if spec.top_k == 1:  # the last forward fed chain[3] alone
+            with torch.no_grad():
+                fresh = forward(torch.tensor([prompt + chain[:4]])).logits[0, -1].float()
+            torch.testing.assert_close(last[0][-1], fresh, rtol=1e-4, atol=1e-4)
+    assert proposer.propose_chain(5, Sampling(), None)[0] == chain  # the tree left nothing in the cache
 
 
 def test_layers_the_target_does_not_have_are_refused(head_weights):
@@ -110,15 +149,14 @@ def test_a_starting_model_with_another_tokenizer_is_refused(tmp_path, head_weigh
         new_draft(head_weights, start=str(tmp_path))
 
 
-def test_the_recipe_refuses_trees_and_layer_lists_it_cannot_build(tmp_path):
+def test_the_recipe_refuses_layer_lists_it_cannot_build(tmp_path):
     from speculators_train.recipe import load_recipe
 
     from .conftest import SHAREGPT, make_recipe
 
     path = make_recipe(tmp_path, [{"name": "s", "path": SHAREGPT, "max_records": 8}], draft={"family": "draft_model"})
     assert load_recipe(path).export.format == "hf"  # its family's first format, not EAGLE-3's default
-    with pytest.raises(UserError, match=r"eval\.mode 'tree': a draft_model drafts chains here"):
-        load_recipe(path, {"eval.mode": "tree"})
+    assert load_recipe(path, {"eval.mode": "tree"}).eval.mode == "tree"
     with pytest.raises(UserError, match=r"draft\.layers \[2, 1\]: ascending, distinct"):
         load_recipe(path, {"draft.layers": [2, 1]})
 

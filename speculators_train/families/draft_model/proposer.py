@@ -1,5 +1,5 @@
 """A standalone draft as a proposer: its own KV cache over the committed tokens, K autoregressive steps per
-proposal, the cache cropped back to the committed tokens before the next commit."""
+proposal (or a dynamic tree), the cache cropped back to the committed tokens before the next commit."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from speculators_train.families.draft_model.model import StandaloneDraft
-from speculators_train.proposal import DraftTree, Sampling, TreeSpec
+from speculators_train.proposal import DraftTree, GrowingTree, Sampling, TreeSpec
 from speculators_train.target import NO_STATES
 
 
@@ -68,5 +68,31 @@ class DraftModelProposer:
         self._drop_drafts()
         return drafts, torch.stack(qs) if qs else None
 
+    @torch.inference_mode()
     def propose_tree(self, spec: TreeSpec) -> DraftTree:
-        raise NotImplementedError("a draft_model drafts chains here (the recipe refuses eval.mode tree)")
+        """An EAGLE-2-style dynamic tree: each depth feeds the `top_k` best nodes so far in one forward, with a
+        mask that lets each see only the committed tokens, its ancestors and itself, at the position its depth
+        gives (the pending token sits at `cached - 1`, so a node of depth d at `cached - 1 + d`)."""
+        if spec.paths is not None:
+            raise ValueError("a fixed tree of rank paths is for per-depth candidates; a draft model grows its own")
+        self._drop_drafts()
+        tree = GrowingTree()
+        frontier = tree.add_children(-1, self.logits, spec.top_k)
+        dtype = self.draft.lm.dtype
+        for depth in range(2, spec.depth + 1):
+            allowed = tree.feed_mask(frontier, self.cached, self.cache.get_seq_length(), self.device)
+            # additive, as every attention implementation of transformers takes a prepared 4D mask
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(
+                ~allowed, torch.finfo(dtype).min
+            )
+            ids = torch.tensor([[tree.tokens[n] for n in frontier]], device=self.device)
+            positions = torch.full((1, len(frontier)), self.cached + depth - 2, device=self.device)
+            out = self.draft(
+                ids, past_key_values=self.cache, use_cache=True, attention_mask=mask[None, None], position_ids=positions
+            )
+            candidates = []
+            for row, node in enumerate(frontier):
+                candidates += tree.add_children(node, out.logits[0, row], spec.top_k)
+            frontier = sorted(candidates, key=lambda n: -tree.scores[n])[: spec.top_k]
+        self._drop_drafts()
+        return tree.best(spec.budget)

@@ -7,7 +7,7 @@ import torch
 
 from speculators_train.families.eagle_arch.model import DraftCache, Eagle3Draft
 from speculators_train.families.vocab import draft_to_target
-from speculators_train.proposal import DraftTree, Sampling, TreeSpec
+from speculators_train.proposal import DraftTree, GrowingTree, Sampling, TreeSpec
 from speculators_train.target import StateSpec
 
 
@@ -88,62 +88,21 @@ class Eagle3Proposer:
         `budget` most probable nodes overall; a node's path probability never exceeds its parent's, and ties
         go to the shallower node, so every kept node's parent is kept too."""
         self.cache.crop(self.committed)
-        tokens: list[int] = []  # target ids
-        parents: list[int] = []
-        depths: list[int] = []
-        scores: list[float] = []
-        cache_slot: dict[int, int] = {}  # node -> index of its key in the draft cache, once fed
-
-        def add_children(parent: int, logits: torch.Tensor, base: float) -> list[int]:
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            top = logp.topk(spec.top_k)
-            added = []
-            for value, index in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                tokens.append(int(self.targets[index]))
-                parents.append(parent)
-                depths.append(1 if parent < 0 else depths[parent] + 1)
-                scores.append(base + value)
-                added.append(len(tokens) - 1)
-            return added
-
         if spec.paths is not None:
             raise ValueError("a fixed tree of rank paths is for per-depth candidates; EAGLE-3 grows its own")
-        frontier = add_children(-1, self.logits, 0.0)
+        tree = GrowingTree()
+        frontier = tree.add_children(-1, self.logits, spec.top_k, self.targets)
         parent_hidden = {node: self.hidden[0, 0] for node in frontier}
         for depth in range(2, spec.depth + 1):
-            fed = len(self.cache)
-            allowed = torch.zeros(len(frontier), fed + len(frontier), dtype=torch.bool, device=self.device)
-            allowed[:, : self.committed] = True
-            for row, node in enumerate(frontier):
-                allowed[row, fed + row] = True
-                ancestor = parents[node]
-                while ancestor >= 0:
-                    allowed[row, cache_slot[ancestor]] = True
-                    ancestor = parents[ancestor]
-            ids = torch.tensor([tokens[n] for n in frontier], device=self.device)
+            allowed = tree.feed_mask(frontier, self.committed, len(self.cache), self.device)
+            ids = torch.tensor([tree.tokens[n] for n in frontier], device=self.device)
             hidden = torch.stack([parent_hidden[n] for n in frontier])[None]
             positions = torch.full((len(frontier),), self.committed + depth - 1, device=self.device)
             out, logits = self._step(ids, hidden, positions, allowed)
             candidates = []
             for row, node in enumerate(frontier):
-                cache_slot[node] = fed + row
-                for child in add_children(node, logits[0, row], scores[node]):
+                for child in tree.add_children(node, logits[0, row], spec.top_k, self.targets):
                     parent_hidden[child] = out[0, row]
                     candidates.append(child)
-            frontier = sorted(candidates, key=lambda n: -scores[n])[: spec.top_k]
-        order = sorted(range(len(tokens)), key=lambda n: (-scores[n], depths[n]))
-        kept: list[int] = []
-        kept_set: set[int] = set()
-        for node in order:
-            if len(kept) == spec.budget:
-                break
-            if parents[node] < 0 or parents[node] in kept_set:
-                kept.append(node)
-                kept_set.add(node)
-        kept.sort(key=lambda n: (depths[n], -scores[n]))
-        index = {node: i for i, node in enumerate(kept)}
-        return DraftTree(
-            tokens=[tokens[n] for n in kept],
-            parents=[index[parents[n]] if parents[n] >= 0 else -1 for n in kept],
-            depths=[depths[n] for n in kept],
-        )
+            frontier = sorted(candidates, key=lambda n: -tree.scores[n])[: spec.top_k]
+        return tree.best(spec.budget)
