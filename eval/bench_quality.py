@@ -13,8 +13,9 @@ learning-rate schedule runs over the time), or `--steps` optimizer steps. Each v
   `training.select`, acceptance-guided data, which the training budget does not count);
 - teacher-forced held-out AL: 1 + sum of full_acc_i over the draft's TTT steps up to K (the trainer's own
   validation, on the recipe's held-out split), and its per-step full accuracies;
-- the real loop's AL at K (chain, greedy) and its speedup against the target alone, on each `--suites` suite
-  (`--prompts` prompts x `--max-new-tokens` tokens, the same prompts for every variant).
+- the real loop's AL at K (chain, greedy), its speedup against the target alone and the draft's milliseconds per
+  verify step, on each `--suites` suite (`--prompts` prompts x `--max-new-tokens` tokens, the same prompts for every
+  variant).
 
 Variants run one after another (training and verify in subprocesses, so each starts with clean memory); a rerun
 resumes a variant whose training was cut short and skips one already scored. `--set` changes the slice itself
@@ -102,6 +103,13 @@ def loop_al(recipe_path: Path, overrides: dict[str, Any], run: Path, args: argpa
     return read_json(newest / "results.json", "verify results")
 
 
+def draft_ms(record: dict[str, Any]) -> float | None:
+    """The draft's milliseconds per verify step (its extends and proposals), from the loop's own timers; None where
+    the engine does not report them."""
+    seconds, steps = record.get("seconds", {}).get("spec_draft"), record.get("steps")
+    return round(1000 * seconds / steps, 2) if seconds is not None and steps else None
+
+
 def score(recipe_path: Path, recipe: Recipe, name: str, overrides: dict[str, Any], args) -> dict[str, Any]:
     engine = "" if args.engine == "native" else f"-{args.engine}"
     out = recipe.run_dir / "quality" / name / f"quality{engine}{'' if args.k == 5 else f'-k{args.k}'}.json"
@@ -144,6 +152,7 @@ def score(recipe_path: Path, recipe: Recipe, name: str, overrides: dict[str, Any
                     "al": round(r["acceptance_length"], 4),
                     "per_position": [round(x, 4) for x in r.get("per_position_acceptance", [])],
                     "speedup": round(r["speedup"], 3),
+                    "draft_ms_per_step": draft_ms(r),
                     "greedy_identical": r.get("greedy_identical_outputs"),
                 }
                 for r in records
@@ -152,6 +161,12 @@ def score(recipe_path: Path, recipe: Recipe, name: str, overrides: dict[str, Any
     }
     out.write_text(json.dumps(result, indent=2))
     return result
+
+
+def cell(suite: dict[str, Any]) -> str:
+    """'1.350 (1.09x, 4.2 ms)': loop AL, speedup and the draft's ms per step."""
+    ms = suite.get("draft_ms_per_step")
+    return f"{suite['al']:.3f} ({suite['speedup']:.2f}x{'' if ms is None else f', {ms:.1f} ms'})"
 
 
 def table(results: list[dict[str, Any]], suites: list[str]) -> Table:
@@ -166,7 +181,7 @@ def table(results: list[dict[str, Any]], suites: list[str]) -> Table:
             str(r["budget"]["steps"]),
             str(r["budget"]["tokens"]),
             f"{r['teacher_forced']['al']:.3f} ({r['teacher_forced']['depth']})",
-            *[f"{loop[s]['al']:.3f} ({loop[s]['speedup']:.2f}x)" if s in loop else "-" for s in suites],
+            *[cell(loop[s]) if s in loop else "-" for s in suites],
         )
     return t
 
