@@ -82,10 +82,10 @@ class Recipe(Section):
                 "(llama.cpp serves GGUF); use engine 'transformers' or a .gguf target"
             )
         if self.eval.engine == "vllm":
-            if "speculators" not in draft.formats:
+            if draft.vllm_format is None:
                 problems.append(
-                    f"eval.engine 'vllm': vLLM serves no {draft.family} draft (it loads the speculators format, "
-                    f"which this family does not write); verify with 'native'"
+                    f"eval.engine 'vllm': vLLM serves no {draft.family} draft (no format of this family is one its "
+                    f"engine runs as a speculative method); verify with 'native'"
                 )
             if self.eval.mode == "tree":
                 problems.append("eval.engine 'vllm': vLLM drafts chains here; set eval.mode: chain")

@@ -11,7 +11,7 @@ import torch
 
 from speculators_train.engines.vllm import Completion, Decoded, SpecCounts, spec_counts
 from speculators_train.errors import UserError
-from speculators_train.families import get
+from speculators_train.families import FAMILIES, get
 from speculators_train.families.drafts import load_draft
 from speculators_train.recipe import load_recipe
 from speculators_train.verify.vllm_run import NGRAM, record, settings
@@ -84,9 +84,20 @@ def test_recipe_refuses_what_vllm_cannot_run(tmp_path, monkeypatch):
         load_recipe(path, {"eval.mode": "tree"})
     with pytest.raises(UserError, match=r"eval\.vllm\.speculative_tokens"):
         load_recipe(path, {"eval.vllm.speculative_tokens": [0]})
-    monkeypatch.setattr(get("medusa").settings, "formats", {"sglang": "formats:MedusaFormat"})
-    with pytest.raises(UserError, match=r"eval\.engine 'vllm': vLLM serves no medusa draft"):
-        load_recipe(path, {"draft": {"family": "medusa"}})
+    with pytest.raises(UserError, match=r"eval\.engine 'vllm': vLLM serves no mlp draft"):
+        load_recipe(path, {"draft": {"family": "mlp"}})
+    assert load_recipe(path, {"draft": {"family": "draft_model"}}).eval.engine == "vllm"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_format_a_family_names_for_vllm_is_the_one_that_gives_a_speculative_config(name, tmp_path):
+    """The recipe refuses `eval.engine: vllm` from a declaration that imports nothing; a format's own
+    `vllm_speculative_config` is what `verify --engine vllm` runs. The declared format is the family's first that
+    vLLM serves (EAGLE-3's `gguf` export holds the speculators folder too), and a family that declares none has
+    none."""
+    family = get(name)
+    served = [f for f, fmt in family.formats.items() if fmt.vllm_speculative_config(tmp_path, 1) is not None]
+    assert served[:1] == ([] if family.settings.vllm_format is None else [family.settings.vllm_format])
 
 
 def test_medusa_export_writes_full_vocabulary_heads_and_reads_back_the_trained_draft(tmp_path):

@@ -49,6 +49,9 @@ class FamilySettings(Section):
     # The export formats this family writes, declared once: export.format value -> "module:Class" of its
     # `ExportFormat` in the family's folder (imported when a stage asks `Family.formats`; the first is the default).
     formats: ClassVar[dict[str, str]]
+    # The one of `formats` that vLLM serves as a speculative method (`ExportFormat.vllm_speculative_config`), or
+    # None: `eval.engine: vllm` is refused at load, and `verify --engine vllm` exports this format.
+    vllm_format: ClassVar[str | None] = "speculators"
     tree_shapes: ClassVar[tuple[str, ...]] = ("dynamic",)  # eval.tree.shape values its proposer grows
     fine_tunes: ClassVar[bool] = True  # whether training.init_from may name a draft of this family
     target_states: ClassVar[TargetStates] = "aux+final"  # what its objective reads, and `generate` stores

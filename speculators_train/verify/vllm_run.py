@@ -34,11 +34,11 @@ NGRAM = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}  # vLLM's documented n-
 
 
 def served_format(loaded: LoadedDraft) -> ExportFormat:
-    """The draft family's format that vLLM loads."""
-    for export_format in loaded.family.formats.values():
-        if export_format.vllm_speculative_config(loaded.path, 1) is not None:
-            return export_format
-    raise UserError(f"{loaded.path}: vLLM serves no {loaded.family.title}s; verify it with --engine native")
+    """The draft family's format that vLLM loads (`FamilySettings.vllm_format`)."""
+    name = loaded.family.settings.vllm_format
+    if name is None:
+        raise UserError(f"{loaded.path}: vLLM serves no {loaded.family.title}s; verify it with --engine native")
+    return loaded.family.formats[name]
 
 
 def target_dir(recipe: Recipe) -> Path:

@@ -27,6 +27,7 @@ class Settings(FamilySettings):
     loss: Divergence = Field("forward_kl", description="The divergence to the target's distribution (DistillSpec).")
 
     formats: ClassVar[dict[str, str]] = {"hf": "formats:ModelFolderFormat", "gguf": "formats:GGUFFormat"}
+    vllm_format: ClassVar[str | None] = "hf"  # method: draft_model
     target_states: ClassVar[TargetStates] = "final"  # the target's distribution, through its norm and head
 
     def recipe_problems(self, recipe: Any) -> list[str]:

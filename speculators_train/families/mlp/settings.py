@@ -23,6 +23,7 @@ class Settings(FamilySettings):
     stage_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of stage i is stage_decay**i.")
 
     formats: ClassVar[dict[str, str]] = {"vllm": "formats:MLPSpeculatorFormat"}
+    vllm_format: ClassVar[str | None] = None  # vLLM 0.32's V1 engine has no MLP speculator runtime
     target_states: ClassVar[TargetStates] = "final"  # the last state, through the target's norm
 
     def recipe_problems(self, recipe: Any) -> list[str]:
