@@ -14,6 +14,7 @@ after the other, so the baseline is timed before the speculative runs rather tha
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -171,8 +172,27 @@ def run_vllm(recipe: Recipe, suites: list[Suite], loaded: LoadedDraft | None, ou
     if loaded is not None:
         export_format = served_format(loaded)
         exported = export(recipe, loaded.path, export_format.name, out_dir / "draft-export", "float32", force=True).path
+    with tempfile.TemporaryDirectory(prefix="speculators-train-vllm-") as neutral:
+        return _run(recipe, suites, loaded, export_format, exported, Path(neutral))
+
+
+def _run(
+    recipe: Recipe,
+    suites: list[Suite],
+    loaded: LoadedDraft | None,
+    export_format: ExportFormat | None,
+    exported: Path | None,
+    neutral: Path,
+) -> list[dict[str, Any]]:
+    """vLLM's `SpeculativeConfig` replaces the asked method by one it reads off the draft's path (a folder under
+    `runs/eagle3-.../` is loaded as EAGLE-3 whatever `method` says, and a draft model then fails to load), so
+    vLLM is given a link to the export from `neutral`, a path that names no method."""
+    served = None
+    if exported is not None:
+        served = neutral / "draft"
+        served.symlink_to(exported.resolve(), target_is_directory=True)
     cap = loaded.family.draft_tokens(loaded.draft, 1 << 20) if loaded is not None else None
-    runs = settings(recipe, export_format, exported, cap)
+    runs = settings(recipe, export_format, served, cap)
     per_engine = sum(len(s.prompts) for s in suites) * len(recipe.eval.temperatures) * (1 + recipe.eval.vllm.batch)
     max_new = {s.config.name: recipe.eval.max_new_tokens or s.config.max_new_tokens for s in suites}
     records = []
@@ -191,7 +211,7 @@ def run_vllm(recipe: Recipe, suites: list[Suite], loaded: LoadedDraft | None, ou
                 r["max_new_tokens"] = max_new[suite]
                 r["draft"] = str(exported) if method == "draft" else None
                 r["checkpoint"] = str(loaded.path) if loaded is not None and method == "draft" else None
-                r["speculative_config"] = spec_config
+                r["speculative_config"] = {**spec_config, "model": str(exported)} if method == "draft" else spec_config
                 r["engine_start_seconds"] = start_seconds
                 r["vllm_version"] = vllm.version()
                 r["device"] = "cpu" if not _cuda() else "cuda"
