@@ -154,6 +154,14 @@ def test_llamacpp_with_our_draft_gives_its_own_target_only_output_on_an_unquanti
     assert drafted.steps > 0 and drafted.accepted > 0, drafted
 
 
+def near_tie_slack(completion) -> int:
+    """How far llama.cpp's accepted count may be from our loop's with the same draft and F32 weights: a draft
+    argmax at a near-tie can fall either way between two engines' kernels, and how often depends on the machine
+    (3 of 50 drafts on an AVX-512 Xeon, at most 2 on AVX2 EPYCs). A draft llama.cpp ran wrongly (a missing norm,
+    a shifted state) loses a third or more of its accepted drafts."""
+    return max(2, completion.drafted // 10)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_llamacpp_runs_a_norm_before_fc_draft_as_trained(tmp_path, target, fitted):
@@ -181,7 +189,7 @@ def test_llamacpp_runs_a_norm_before_fc_draft_as_trained(tmp_path, target, fitte
     ours = SpeculativeDecoder(target, get("eagle3").proposer(draft, target), Sampling(), 3, None)
     ours = ours.generate(prompt, 48, eos_ids(target), None)
     assert ours.tokens == drafted.tokens
-    assert abs(sum(ours.accepted) - drafted.accepted) <= 2, (ours.accepted, drafted)
+    assert abs(sum(ours.accepted) - drafted.accepted) <= near_tie_slack(drafted), (ours.accepted, drafted)
 
 
 @pytest.mark.slow
@@ -210,4 +218,5 @@ def test_llamacpp_serves_a_draft_model_with_its_own_output_and_our_acceptance(tm
     ours = SpeculativeDecoder(target, get("draft_model").proposer(draft, target), Sampling(), 3, None)
     ours = ours.generate(prompt, 48, eos_ids(target), None)
     assert ours.tokens == drafted.tokens
-    assert drafted.accepted > 0 and abs(sum(ours.accepted) - drafted.accepted) <= 2, (ours.accepted, drafted)
+    assert drafted.accepted > 0, drafted
+    assert abs(sum(ours.accepted) - drafted.accepted) <= near_tie_slack(drafted), (ours.accepted, drafted)
