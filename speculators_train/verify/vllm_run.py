@@ -184,9 +184,9 @@ def _run(
     exported: Path | None,
     neutral: Path,
 ) -> list[dict[str, Any]]:
-    """vLLM's `SpeculativeConfig` replaces the asked method by one it reads off the draft's path (a folder under
-    `runs/eagle3-.../` is loaded as EAGLE-3 whatever `method` says, and a draft model then fails to load), so
-    vLLM is given a link to the export from `neutral`, a path that names no method."""
+    """vLLM's `SpeculativeConfig` replaces the asked method by one it reads off the draft's path (a folder under a
+    run named after an EAGLE recipe is loaded as EAGLE whatever `method` says, and a draft model then fails to
+    load), so vLLM is given a link to the export from `neutral`, a path that names no method."""
     served = None
     if exported is not None:
         served = neutral / "draft"
