@@ -81,6 +81,11 @@ class Recipe(Section):
                 f"data.regenerate.engine 'llama.cpp': target {self.target.name_or_path!r} is not a GGUF file "
                 "(llama.cpp serves GGUF); use engine 'transformers' or a .gguf target"
             )
+        if regen.enabled and regen.engine == "llama.cpp" and regen.model is not None:
+            problems.append(
+                f"data.regenerate.model {regen.model!r}: engine 'llama.cpp' replies from the target's GGUF file; "
+                "use engine 'transformers' or 'vllm' to reply with another model"
+            )
         if self.eval.engine == "vllm":
             if draft.vllm_format is None:
                 problems.append(

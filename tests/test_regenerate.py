@@ -143,3 +143,84 @@ def test_llamacpp_regeneration_needs_a_gguf_target(tmp_path):
     assert load_recipe(path, overrides).data.regenerate.engine == "llama.cpp"  # the default target is a GGUF
     with pytest.raises(UserError, match=r"data\.regenerate\.engine 'llama\.cpp': target .* is not a GGUF file"):
         load_recipe(path, {**overrides, "target.name_or_path": str(hf_dir)})
+
+
+@pytest.fixture(scope="module")
+def small_lm(target, tmp_path_factory):
+    """A real smaller LM with the target's tokenizer: the target's layers 0-1 and its head, saved as a model folder
+    (what a standalone draft's `hf` export is)."""
+    from transformers import AutoModelForCausalLM
+
+    from speculators_train.recipe import TargetConfig
+    from speculators_train.sources import resolve_source
+
+    where = tmp_path_factory.mktemp("small_lm")
+    model = AutoModelForCausalLM.from_pretrained(resolve_source(TargetConfig())[0], dtype=torch.float32)
+    model.model.layers = model.model.layers[:2]
+    model.config.num_hidden_layers = 2
+    model.save_pretrained(where)
+    target.tokenizer.save_pretrained(where)
+    return where, model.eval()
+
+
+@pytest.mark.slow
+def test_on_policy_replies_come_from_the_named_model_and_the_states_from_the_target(target, small_lm, tmp_path):
+    """`data.regenerate.model`: the named model writes each reply (DistillSpec's on-policy data), the stored states
+    are still the target's over that text."""
+    from speculators_train.data.splits import load_splits
+    from speculators_train.hidden_states.generator import process_chunk
+    from speculators_train.recipe import load_recipe
+
+    from .conftest import SHAREGPT, make_recipe
+
+    where, model = small_lm
+    regen = {"enabled": True, "max_new_tokens": 12, "batch_size": 2, "max_turns": 1, "model": str(where)}
+    sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]
+    recipe = load_recipe(make_recipe(tmp_path, sources, data={"regenerate": regen}))
+    chunk = load_splits(recipe).train[:2]
+    samples = process_chunk(recipe, target, chunk, 0).samples
+    assert samples
+    for sample in samples:
+        ids = sample["input_ids"]
+        reply_at = int(sample["loss_mask"].nonzero()[0])
+        prompt = ids[None, :reply_at]
+        with torch.no_grad():
+            mine = model.generate(
+                prompt, max_new_tokens=12, do_sample=False, pad_token_id=target.tokenizer.eos_token_id
+            )
+            theirs = target.model.generate(
+                prompt, max_new_tokens=12, do_sample=False, pad_token_id=target.tokenizer.eos_token_id
+            )
+        decode = target.tokenizer.decode
+        small_reply = decode(mine[0, reply_at:], skip_special_tokens=True).strip()
+        assert small_reply != decode(theirs[0, reply_at:], skip_special_tokens=True).strip()
+        assert small_reply in decode(ids[reply_at:], skip_special_tokens=True)
+        with torch.no_grad():
+            ref = target.model(ids[None], output_hidden_states=True).hidden_states[-1][0]
+        final = target.final_norm(sample["hidden_state"])
+        torch.testing.assert_close(final, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+def test_a_replying_model_needs_the_targets_tokenizer_and_a_float_engine(target, small_lm, tmp_path):
+    from transformers import AutoTokenizer
+
+    from speculators_train.data.regenerate import check_replying_tokenizer
+    from speculators_train.errors import UserError
+    from speculators_train.recipe import load_recipe
+
+    from .conftest import SHAREGPT, make_recipe
+
+    other = tmp_path / "other"
+    tok = AutoTokenizer.from_pretrained(small_lm[0])
+    tok.add_tokens(["<not-the-targets>"])
+    tok.save_pretrained(other)
+    check_replying_tokenizer(str(small_lm[0]), target.tokenizer)
+    with pytest.raises(UserError, match=r"data\.regenerate\.model '.*other': its tokenizer is not the target's"):
+        check_replying_tokenizer(str(other), target.tokenizer)
+    with pytest.raises(UserError, match=r"missing|data\.regenerate\.model"):
+        check_replying_tokenizer(str(tmp_path / "nowhere"), target.tokenizer)
+    path = make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}])
+    overrides = {"data.regenerate.enabled": True, "data.regenerate.model": str(small_lm[0])}
+    assert load_recipe(path, overrides).data.regenerate.model == str(small_lm[0])
+    with pytest.raises(UserError, match=r"data\.regenerate\.model .*: engine 'llama\.cpp' replies from the target"):
+        load_recipe(path, {**overrides, "data.regenerate.engine": "llama.cpp"})

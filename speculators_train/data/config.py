@@ -29,6 +29,13 @@ class RegenerateConfig(Section):
         "in transformers.",
     )
     max_turns: int | None = Field(None, gt=0, description="Keep only the first N exchanges of each conversation.")
+    model: str | None = Field(
+        None,
+        description="Hub id or folder of the model that writes the replies in place of the target (transformers "
+        "and vllm engines); its tokenizer must be the target's. A standalone draft here (an `hf` export, or the "
+        "model `draft.start` names) gives on-policy data: the draft's own replies, scored by the target's states "
+        "(DistillSpec). The states are always the target's.",
+    )
 
     @classmethod
     def identity(cls, settings: dict[str, Any]) -> dict[str, Any]:

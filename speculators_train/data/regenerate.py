@@ -18,9 +18,37 @@ import torch
 
 from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.conversations import Conversation
+from speculators_train.errors import UserError
+from speculators_train.loading import reading
 
 # One turn's requests: (rendered prompt, new-token cap) -> reply texts, in order.
 Replies = Callable[[list[tuple[str, int]]], list[str]]
+
+# `data.regenerate.model` loaded once per process: generation calls `replying_model` for every chunk.
+_REPLYING: dict[str, Any] = {}
+
+
+def replying_model(source: str, target_model, tokenizer):
+    """The LM `data.regenerate.model` names, on the target's device and dtype, refused unless its tokenizer is the
+    target's (its replies are rendered and scored as target ids). Weights are read from safetensors only."""
+    if source not in _REPLYING:
+        check_replying_tokenizer(source, tokenizer)
+        from transformers import AutoModelForCausalLM
+
+        with reading(source, "data.regenerate.model"):
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=target_model.dtype, use_safetensors=True)
+        _REPLYING.clear()
+        _REPLYING[source] = model.to(next(target_model.parameters()).device).eval()
+    return _REPLYING[source]
+
+
+def check_replying_tokenizer(source: str, tokenizer) -> None:
+    from transformers import AutoTokenizer
+
+    with reading(source, "data.regenerate.model"):
+        theirs = AutoTokenizer.from_pretrained(source)
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"data.regenerate.model {source!r}: its tokenizer is not the target's")
 
 
 @torch.inference_mode()

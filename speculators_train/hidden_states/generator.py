@@ -22,7 +22,13 @@ from tqdm import tqdm
 from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.conversations import Conversation, SkipReport
 from speculators_train.data.mix import Splits
-from speculators_train.data.regenerate import regenerate, regenerate_llamacpp, regenerate_vllm
+from speculators_train.data.regenerate import (
+    check_replying_tokenizer,
+    regenerate,
+    regenerate_llamacpp,
+    regenerate_vllm,
+    replying_model,
+)
 from speculators_train.data.render import Sample, render_many
 from speculators_train.data.splits import SPLITS, chunk_seed, chunks, data_fingerprint, load_splits
 from speculators_train.distributed import process_state
@@ -159,10 +165,13 @@ def process_chunk(
             gguf = gguf_file(recipe.target)
             chunk = regenerate_llamacpp(chunk, target.tokenizer, regen, data.max_length, seed, gguf)
         elif regen.enabled and regen.engine == "vllm":
-            model = Path(resolve_source(recipe.target)[0])
+            if regen.model is not None:
+                check_replying_tokenizer(regen.model, target.tokenizer)
+            model = Path(regen.model or resolve_source(recipe.target)[0])
             chunk = regenerate_vllm(chunk, target.tokenizer, regen, data.max_length, seed, model)
         elif regen.enabled:
-            chunk = regenerate(chunk, target.model, target.tokenizer, regen, data.max_length, seed)
+            model = replying_model(regen.model, target.model, target.tokenizer) if regen.model else target.model
+            chunk = regenerate(chunk, model, target.tokenizer, regen, data.max_length, seed)
         rendered = render_many(chunk, target.tokenizer, data.max_length, data.overlong, skips)
         samples = [s for s in rendered if s is not None]
         states = capture(target, samples, max_tokens, DTYPES[recipe.generation.storage_dtype], spec)
