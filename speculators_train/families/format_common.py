@@ -12,10 +12,7 @@ Each refusal is one `UserError` naming the file and the key or tensor.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import json
-import math
 import shlex
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -50,32 +47,6 @@ def shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def spelling(values: dict[str, Any], config_type: type, keys: dict[str, str] | None) -> Callable[[str], str]:
-    """How a file spells each field of `config_type` (`keys` maps a field to its spelling where it differs, as in an
-    export format); refuses fields the config does not have."""
-    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(config_type)})
-    if unknown:
-        raise ValueError(f"unknown keys {unknown}")
-    keys = keys or {}
-    return lambda key: keys.get(key, key)
-
-
-def int_field(config: dict[str, Any], key: str, low: int, high: int, default: Any = _REQUIRED, name: str = "") -> Any:
-    """`config[key]`, an integer in low..high (a JSON bool or float is not one); a missing or null key takes
-    `default`, and is refused without one. ValueError names the key as `name` (its path in the file) or `key`."""
-    name = name or key
-    value = config.get(key)
-    if value is None:
-        if default is _REQUIRED:
-            raise ValueError(f"{name} is missing")
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {shown(value)}")
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be in {low}..{high}, got {value}")
-    return value
-
-
 def bool_field(config: dict[str, Any], key: str, default: bool, name: str = "") -> bool:
     value = config.get(key)
     if value is None:
@@ -83,15 +54,6 @@ def bool_field(config: dict[str, Any], key: str, default: bool, name: str = "") 
     if not isinstance(value, bool):
         raise ValueError(f"{name or key} must be true or false, got {shown(value)}")
     return value
-
-
-def positive_number_field(config: dict[str, Any], key: str, name: str = "") -> None:
-    """A finite number above 0 where the key is present (an epsilon)."""
-    value = config.get(key)
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name or key} must be a number above 0, got {shown(value)}")
 
 
 def dict_field(config: dict[str, Any], key: str, default: Any = _REQUIRED, name: str = "") -> Any:
@@ -103,17 +65,6 @@ def dict_field(config: dict[str, Any], key: str, default: Any = _REQUIRED, name:
     if not isinstance(value, dict):
         raise ValueError(f"{name or key} must be a JSON object, got {shown(value)}")
     return value
-
-
-def layer_ids_field(value: Any, name: str) -> list[int]:
-    """Aux layer ids: a non-empty list of distinct ascending ids >= 0 (engines capture the states in layer order,
-    each once; 0 is the embeddings)."""
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"{name} must be a non-empty list of layer ids, got {shown(value)}")
-    ids = [int_field({"id": i}, "id", 0, MAX_LAYERS - 1, name=f"{name}[{n}]") for n, i in enumerate(value)]
-    if any(b <= a for a, b in itertools.pairwise(ids)):
-        raise ValueError(f"{name} {ids} must be distinct and ascending")
-    return ids
 
 
 def proposal_config(

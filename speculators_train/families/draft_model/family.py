@@ -69,7 +69,7 @@ class DraftModelFamily(Family):
         vocab = target_config.get_text_config().vocab_size
         if start.config.vocab_size != vocab:
             raise UserError(f"draft.start: {start.config.vocab_size} ids, the target has {vocab}")
-        draft = StandaloneDraft(DraftModelConfig(model_config(start.config), 0, vocab))
+        draft = StandaloneDraft(DraftModelConfig(model_config(start.config), target_vocab_size=vocab))
         state = start.state_dict()
         state["lm_head.weight"] = start.get_output_embeddings().weight.detach().clone()
         draft.lm.load_state_dict(state)

@@ -8,32 +8,35 @@ to its embedding here, so each can be trained and every engine reads the same tw
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from speculators_train.families.draft_config import Bounded, Vocab, checked, draft_config
 from speculators_train.families.eagle_arch.model import check_layer
-from speculators_train.families.format_common import (
-    FILE_KEYS,
-    MAX_HIDDEN,
-    MAX_LAYERS,
-    MAX_VOCAB,
-    dict_field,
-    int_field,
-)
+from speculators_train.families.format_common import FILE_KEYS, MAX_HIDDEN, MAX_LAYERS
 
 MAX_DRAFT_LAYERS = 256  # a draft deeper than this is no draft
 
 
-@dataclass
+class DraftDepth(BaseModel):
+    """The draft LM's layer count, beside the values `check_layer` reads from its LlamaConfig."""
+
+    model_config = ConfigDict(extra="allow")
+
+    num_hidden_layers: Bounded(1, MAX_DRAFT_LAYERS)
+
+
+@draft_config
 class DraftModelConfig:
     model_config: dict[str, Any]  # the draft LM's LlamaConfig, as a dict (model_type "llama")
-    target_hidden_size: int = 0  # 0: it reads no target state, so any target width fits
-    target_vocab_size: int = 0
-    target_num_layers: int = 0  # 0: not recorded
+    target_vocab_size: Vocab  # the draft's own vocabulary: engines verify its ids as the target's
+    target_hidden_size: Bounded(0, MAX_HIDDEN) = 0  # 0: it reads no target state, so any target width fits
+    target_num_layers: Bounded(0, MAX_LAYERS) = 0  # 0: not recorded
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,20 +58,19 @@ def model_config(config: Any) -> dict[str, Any]:
 
 def checked_config(values: dict[str, Any]) -> DraftModelConfig:
     """A DraftModelConfig from a saved file, each value typed and in range before anything is built."""
-    layer = dict_field(values, "model_config")
-    check_layer(layer, "model_config.")  # LlamaConfig's values, typed and in range
-    int_field(layer, "num_hidden_layers", 1, MAX_DRAFT_LAYERS, name="model_config.num_hidden_layers")
-    if layer.get("tie_word_embeddings"):
-        raise ValueError("model_config.tie_word_embeddings must be false: the draft's head is its own")
-    vocab = int_field(values, "target_vocab_size", 1, MAX_VOCAB)
-    if layer["vocab_size"] != vocab:
-        raise ValueError(f"model_config.vocab_size {layer['vocab_size']} must be the target's {vocab}")
-    return DraftModelConfig(
-        model_config=layer,
-        target_hidden_size=int_field(values, "target_hidden_size", 0, MAX_HIDDEN, default=0),
-        target_vocab_size=vocab,
-        target_num_layers=int_field(values, "target_num_layers", 0, MAX_LAYERS, default=0),
-    )
+    layer = values.get("model_config")
+    if isinstance(layer, dict):
+        check_layer(layer, "model_config.")  # LlamaConfig's values, typed and in range
+        checked(DraftDepth, layer, prefix="model_config.")
+        if layer.get("tie_word_embeddings"):
+            raise ValueError("model_config.tie_word_embeddings must be false: the draft's head is its own")
+    config = checked(DraftModelConfig, values)
+    if config.model_config["vocab_size"] != config.target_vocab_size:
+        raise ValueError(
+            f"model_config.vocab_size {config.model_config['vocab_size']} must be the target's "
+            f"{config.target_vocab_size}"
+        )
+    return config
 
 
 class StandaloneDraft(nn.Module):

@@ -18,11 +18,12 @@ query's own position (the draft token it produced there). RoPE position of step 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
@@ -36,19 +37,18 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
-from speculators_train.families.format_common import (
-    MAX_HIDDEN,
-    MAX_INTERMEDIATE,
-    MAX_LAYERS,
-    MAX_VOCAB,
-    bool_field,
-    dict_field,
-    int_field,
-    layer_ids_field,
-    positive_number_field,
-    shown,
-    spelling,
+from speculators_train.families.draft_config import (
+    Bounded,
+    Hidden,
+    LayerIds,
+    PositiveNumber,
+    Vocab,
+    checked,
+    draft_config,
+    spelled,
+    within,
 )
+from speculators_train.families.format_common import MAX_INTERMEDIATE, MAX_LAYERS, MAX_VOCAB, shown
 from speculators_train.families.vocab import first_ids
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -59,19 +59,19 @@ MAX_EMBEDDING = 1 << 32
 MAX_POSITIONS = 1 << 24
 
 
-@dataclass
+@draft_config
 class Eagle3Config:
     """Everything needed to rebuild the draft; saved as JSON beside its weights."""
 
     layer_config: dict[str, Any]  # a LlamaConfig dict for the single decoder layer (num_hidden_layers: 1)
-    target_hidden_size: int
-    draft_vocab_size: int
-    aux_layer_ids: list[int]
-    norm_before_residual: bool = False
-    target_vocab_size: int = field(default=0)
-    target_num_layers: int = 0  # the target's decoder layer count (0: unknown, e.g. an imported draft)
-    norm_before_fc: bool = False
-    norm_output: bool = False
+    target_hidden_size: Hidden
+    draft_vocab_size: Vocab  # at most target_vocab_size (`checked_config`)
+    aux_layer_ids: LayerIds
+    norm_before_residual: StrictBool = False
+    target_vocab_size: Bounded(0, MAX_VOCAB) = 0  # 0: the layer's vocab_size
+    target_num_layers: Bounded(0, MAX_LAYERS) = 0  # the target's decoder layer count (0: unknown, e.g. imported)
+    norm_before_fc: StrictBool = False
+    norm_output: StrictBool = False
 
     def __post_init__(self) -> None:
         if not self.target_vocab_size:
@@ -124,17 +124,35 @@ class Eagle3Config:
         )
 
 
+class LlamaLayer(BaseModel):
+    """The LlamaConfig values a draft's decoder layers are built from, typed and in range; its other keys reach
+    LlamaConfig as they are. Head counts are bounded by the width (`check_layer`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    hidden_size: Hidden
+    intermediate_size: Bounded(1, MAX_INTERMEDIATE)
+    vocab_size: Vocab
+    num_attention_heads: StrictInt
+    num_key_value_heads: StrictInt | None = None
+    head_dim: Hidden | None = None
+    rms_norm_eps: PositiveNumber | None = None
+    max_position_embeddings: Bounded(1, MAX_POSITIONS) | None = None
+    hidden_act: StrictStr = "silu"
+    attention_bias: StrictBool = False
+    mlp_bias: StrictBool = False
+
+
 def check_layer(layer: dict[str, Any], prefix: str = "") -> None:
-    """The LlamaConfig values the draft's decoder layer is built from, typed and in range; ValueError names the key
-    as `prefix` + key (its path in the file)."""
-    hidden = int_field(layer, "hidden_size", 1, MAX_HIDDEN, name=f"{prefix}hidden_size")
-    int_field(layer, "intermediate_size", 1, MAX_INTERMEDIATE, name=f"{prefix}intermediate_size")
-    int_field(layer, "vocab_size", 1, MAX_VOCAB, name=f"{prefix}vocab_size")
-    heads = int_field(layer, "num_attention_heads", 1, hidden, name=f"{prefix}num_attention_heads")
-    kv = int_field(layer, "num_key_value_heads", 1, heads, default=heads, name=f"{prefix}num_key_value_heads")
+    """`layer` (a LlamaConfig dict) as `LlamaLayer` reads it, with the head layout it implies; ValueError names the
+    key as `prefix` + key (its path in the file)."""
+    values = checked(LlamaLayer, layer, prefix=prefix)
+    hidden = values.hidden_size
+    heads = within(values.num_attention_heads, 1, hidden, f"{prefix}num_attention_heads")
+    kv = within(values.num_key_value_heads or heads, 1, heads, f"{prefix}num_key_value_heads")
     if heads % kv:  # each key/value head serves a whole group of query heads
         raise ValueError(f"{prefix}num_key_value_heads {kv} must divide {prefix}num_attention_heads {heads}")
-    head_dim = int_field(layer, "head_dim", 1, MAX_HIDDEN, default=None, name=f"{prefix}head_dim")
+    head_dim = values.head_dim
     if head_dim is None:  # LlamaConfig's default: hidden split evenly over the heads
         if hidden % heads:
             raise ValueError(
@@ -145,43 +163,29 @@ def check_layer(layer: dict[str, Any], prefix: str = "") -> None:
         raise ValueError(
             f"{prefix}head_dim {head_dim} (or hidden_size / num_attention_heads) is odd; RoPE rotates pairs"
         )
-    positive_number_field(layer, "rms_norm_eps", name=f"{prefix}rms_norm_eps")
-    int_field(layer, "max_position_embeddings", 1, MAX_POSITIONS, default=None, name=f"{prefix}max_position_embeddings")
-    act = layer.get("hidden_act", "silu")
-    if not isinstance(act, str) or act not in ACT2FN:
-        raise ValueError(f"{prefix}hidden_act {shown(act)} is not an activation transformers knows")
-    for key in ("attention_bias", "mlp_bias"):
-        bool_field(layer, key, False, name=f"{prefix}{key}")
+    if values.hidden_act not in ACT2FN:
+        raise ValueError(f"{prefix}hidden_act {shown(values.hidden_act)} is not an activation transformers knows")
 
 
-def checked_config(values: dict[str, Any], keys: dict[str, str] | None = None) -> Eagle3Config:
-    """An Eagle3Config from `values` (its fields, as read from a file), each typed and in range first. ValueError
+def checked_config(
+    values: dict[str, Any], keys: dict[str, str] | None = None, config_type: type[Eagle3Config] = Eagle3Config
+) -> Eagle3Config:
+    """A `config_type` from `values` (its fields, as read from a file), each typed and in range first. ValueError
     names a field as the file spells it: `keys` maps a field to that spelling where it differs (export formats)."""
-    name = spelling(values, Eagle3Config, keys)
-    layer = dict_field(values, "layer_config", name=name("layer_config"))
-    check_layer(layer, f"{name('layer_config')}." if name("layer_config") else "")
-    target_vocab = int_field(values, "target_vocab_size", 0, MAX_VOCAB, default=0, name=name("target_vocab_size"))
-    target_vocab = target_vocab or layer["vocab_size"]  # 0: the layer's
-    hidden = layer["hidden_size"]
+    name = spelled(keys)
+    layer = values.get("layer_config")
+    if isinstance(layer, dict):  # its own keys first: the fields below default to its values
+        check_layer(layer, f"{name('layer_config')}." if name("layer_config") else "")
+        # missing: the target is as wide as the draft's layer
+        values = {"target_hidden_size": layer["hidden_size"], **{k: v for k, v in values.items() if v is not None}}
+    config = checked(config_type, values, keys)
+    target_vocab, hidden = config.target_vocab_size, config.layer_config["hidden_size"]
     if target_vocab * hidden > MAX_EMBEDDING:
         raise ValueError(
             f"the target embedding it describes ({target_vocab} ids x {hidden}) exceeds {MAX_EMBEDDING} elements"
         )
-    return Eagle3Config(
-        layer_config=layer,
-        target_hidden_size=int_field(  # missing: the target is as wide as the draft's layer
-            values, "target_hidden_size", 1, MAX_HIDDEN, default=hidden, name=name("target_hidden_size")
-        ),
-        draft_vocab_size=int_field(values, "draft_vocab_size", 1, target_vocab, name=name("draft_vocab_size")),
-        aux_layer_ids=layer_ids_field(values.get("aux_layer_ids"), name("aux_layer_ids")),
-        norm_before_residual=bool_field(values, "norm_before_residual", False, name=name("norm_before_residual")),
-        target_vocab_size=target_vocab,
-        target_num_layers=int_field(
-            values, "target_num_layers", 0, MAX_LAYERS, default=0, name=name("target_num_layers")
-        ),
-        norm_before_fc=bool_field(values, "norm_before_fc", False, name=name("norm_before_fc")),
-        norm_output=bool_field(values, "norm_output", False, name=name("norm_output")),
-    )
+    within(config.draft_vocab_size, 1, target_vocab, name("draft_vocab_size"))
+    return config
 
 
 def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: list[KV], scale: float) -> torch.Tensor:

@@ -11,28 +11,29 @@ reduced vocabulary and d2t/t2d maps as EAGLE-3). Weight names follow vLLM's Medu
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculators_train.families.format_common import MAX_HIDDEN, MAX_LAYERS, MAX_VOCAB, int_field, spelling
+from speculators_train.families.draft_config import Bounded, Hidden, Vocab, checked, draft_config, spelled, within
+from speculators_train.families.format_common import MAX_LAYERS
 from speculators_train.families.medusa.settings import MAX_BLOCKS, MAX_HEADS
 from speculators_train.families.vocab import first_ids
 
 
-@dataclass
+@draft_config
 class MedusaConfig:
     """Everything needed to rebuild the heads; saved as JSON beside their weights."""
 
-    hidden_size: int
-    num_heads: int
-    num_layers: int
-    draft_vocab_size: int
-    target_vocab_size: int
-    target_num_layers: int = 0
+    hidden_size: Hidden
+    num_heads: Bounded(1, MAX_HEADS)
+    num_layers: Bounded(1, MAX_BLOCKS)
+    draft_vocab_size: Vocab  # at most target_vocab_size (`checked_config`)
+    target_vocab_size: Vocab
+    target_num_layers: Bounded(0, MAX_LAYERS) = 0
 
     @property
     def target_hidden_size(self) -> int:
@@ -45,18 +46,9 @@ class MedusaConfig:
 def checked_config(values: dict[str, Any], keys: dict[str, str] | None = None) -> MedusaConfig:
     """A MedusaConfig from `values` (its fields, as read from a file), each typed and in range first. ValueError
     names a field as the file spells it: `keys` maps a field to that spelling where it differs (vLLM's format)."""
-    name = spelling(values, MedusaConfig, keys)
-    target_vocab = int_field(values, "target_vocab_size", 1, MAX_VOCAB, name=name("target_vocab_size"))
-    return MedusaConfig(
-        hidden_size=int_field(values, "hidden_size", 1, MAX_HIDDEN, name=name("hidden_size")),
-        num_heads=int_field(values, "num_heads", 1, MAX_HEADS, name=name("num_heads")),
-        num_layers=int_field(values, "num_layers", 1, MAX_BLOCKS, name=name("num_layers")),
-        draft_vocab_size=int_field(values, "draft_vocab_size", 1, target_vocab, name=name("draft_vocab_size")),
-        target_vocab_size=target_vocab,
-        target_num_layers=int_field(
-            values, "target_num_layers", 0, MAX_LAYERS, default=0, name=name("target_num_layers")
-        ),
-    )
+    config = checked(MedusaConfig, values, keys)
+    within(config.draft_vocab_size, 1, config.target_vocab_size, spelled(keys)("draft_vocab_size"))
+    return config
 
 
 class ResBlock(nn.Linear):

@@ -15,30 +15,35 @@ the target's whole one: vLLM builds each head at `vocab_size` rows.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import StrictBool
 from torch import nn
 
-from speculators_train.families.format_common import MAX_HIDDEN, MAX_LAYERS, MAX_VOCAB, bool_field, int_field, spelling
+from speculators_train.families.draft_config import Bounded, Hidden, Vocab, checked, draft_config, spelled
+from speculators_train.families.format_common import MAX_HIDDEN, MAX_LAYERS
 from speculators_train.families.mlp.settings import MAX_STAGES
 
 EPS = 1e-6
 
 
-@dataclass
+@draft_config
 class MLPConfig:
     """Everything needed to rebuild the speculator; saved as JSON beside its weights."""
 
-    emb_dim: int  # the target's hidden size
-    inner_dim: int
-    n_predict: int
-    vocab_size: int  # the target's
-    tie_weights: bool
-    scale_input: bool
-    target_num_layers: int = 0
+    emb_dim: Hidden  # the target's hidden size
+    inner_dim: Bounded(0, MAX_HIDDEN)  # 0 means the target's width, as vLLM reads it
+    n_predict: Bounded(1, MAX_STAGES)
+    vocab_size: Vocab  # the target's
+    tie_weights: StrictBool = False
+    scale_input: StrictBool = False
+    target_num_layers: Bounded(0, MAX_LAYERS) = 0
+
+    def __post_init__(self) -> None:
+        self.inner_dim = self.inner_dim or self.emb_dim
 
     @property
     def target_hidden_size(self) -> int:
@@ -55,24 +60,11 @@ class MLPConfig:
 def checked_config(values: dict[str, Any], keys: dict[str, str] | None = None) -> MLPConfig:
     """An MLPConfig from `values` (its fields, as read from a file), each typed and in range first. ValueError names
     a field as the file spells it (`keys`: where it differs)."""
-    name = spelling(values, MLPConfig, keys)
-    emb_dim = int_field(values, "emb_dim", 1, MAX_HIDDEN, name=name("emb_dim"))
-    inner = int_field(values, "inner_dim", 0, MAX_HIDDEN, name=name("inner_dim"))
-    n_predict = int_field(values, "n_predict", 1, MAX_STAGES, name=name("n_predict"))
-    tie = bool_field(values, "tie_weights", False, name=name("tie_weights"))
-    if tie and n_predict < 2:
-        raise ValueError(f"{name('tie_weights')}: true needs {name('n_predict')} >= 2, got {n_predict}")
-    return MLPConfig(
-        emb_dim=emb_dim,
-        inner_dim=inner or emb_dim,  # 0 means the target's width, as vLLM reads it
-        n_predict=n_predict,
-        vocab_size=int_field(values, "vocab_size", 1, MAX_VOCAB, name=name("vocab_size")),
-        tie_weights=tie,
-        scale_input=bool_field(values, "scale_input", False, name=name("scale_input")),
-        target_num_layers=int_field(
-            values, "target_num_layers", 0, MAX_LAYERS, default=0, name=name("target_num_layers")
-        ),
-    )
+    config = checked(MLPConfig, values, keys)
+    name = spelled(keys)
+    if config.tie_weights and config.n_predict < 2:
+        raise ValueError(f"{name('tie_weights')}: true needs {name('n_predict')} >= 2, got {config.n_predict}")
+    return config
 
 
 class StageNorm(nn.Module):

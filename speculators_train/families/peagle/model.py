@@ -15,38 +15,35 @@ real occurrence of that id in a prompt is embedded the same way everywhere.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speculators_train.families.draft_config import Bounded, draft_config, spelled, within
 from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft, checked_config
-from speculators_train.families.format_common import int_field
+from speculators_train.families.format_common import MAX_VOCAB
 from speculators_train.families.peagle.settings import MAX_DEPTHS
 
 
-@dataclass
+@draft_config
 class PEagleConfig(Eagle3Config):
     """The EAGLE-3 config, plus the mask token and the number of depths trained (the most tokens one forward
     proposes that were trained to be right)."""
 
-    mask_token_id: int = 0
-    depths: int = 8
+    mask_token_id: Bounded(0, MAX_VOCAB - 1) = 0  # a target id (`checked_peagle_config`)
+    depths: Bounded(1, MAX_DEPTHS) = 8
 
 
 def checked_peagle_config(values: dict[str, Any], keys: dict[str, str] | None = None) -> PEagleConfig:
     """A PEagleConfig from a file's values, each typed and in range first (ValueError names the key)."""
-    values = dict(values)
-    keys = keys or {}
-    extra = {k: values.pop(k) for k in ("mask_token_id", "depths") if k in values}
-    base = checked_config(values, keys)
-    if base.norm_output:
+    config = checked_config(values, keys, PEagleConfig)
+    if config.norm_output:
         raise ValueError("norm_output is set, but a P-EAGLE draft feeds nothing back between depths")
-    mask = int_field(extra, "mask_token_id", 0, base.target_vocab_size - 1, name=keys.get("mask_token_id", ""))
-    depths = int_field(extra, "depths", 1, MAX_DEPTHS, default=8, name=keys.get("depths", ""))
-    return PEagleConfig(**asdict(base), mask_token_id=mask, depths=depths)
+    within(config.mask_token_id, 0, config.target_vocab_size - 1, spelled(keys)("mask_token_id"))
+    return config
 
 
 @dataclass
