@@ -76,6 +76,19 @@ def checked(config_type: type[T], values: dict[str, Any], keys: dict[str, str] |
         raise ValueError(_refusal(exc.errors(), config_type, spelled(keys), prefix)) from None
 
 
+# pydantic's error types -> our words for them (`{}`: the value, as `shown`); a positive number is the only float field.
+_WORDS = {
+    "missing": "is missing",
+    "int_type": "must be an integer, got {}",
+    "bool_type": "must be true or false, got {}",
+    "dict_type": "must be a JSON object, got {}",
+    "string_type": "must be a string, got {}",
+    "greater_than": "must be a number above 0, got {}",
+    "float_type": "must be a number above 0, got {}",
+    "finite_number": "must be a number above 0, got {}",
+}
+
+
 def _refusal(errors: list[Any], config_type: type, spell: Callable[[str], str], prefix: str) -> str:
     unknown = sorted(
         str(e["loc"][0]) for e in errors if e["type"] in ("unexpected_keyword_argument", "extra_forbidden")
@@ -89,21 +102,11 @@ def _refusal(errors: list[Any], config_type: type, spell: Callable[[str], str], 
     name = prefix + spell(str(loc[0])) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
     if kind == "value_error":
         return f"{name} {error['ctx']['error']}"
-    if kind == "missing":
-        return f"{name} is missing"
-    if kind == "int_type":
-        return f"{name} must be an integer, got {shown(value)}"
-    if kind == "bool_type":
-        return f"{name} must be true or false, got {shown(value)}"
-    if kind == "dict_type":
-        return f"{name} must be a JSON object, got {shown(value)}"
-    if kind == "string_type":
-        return f"{name} must be a string, got {shown(value)}"
     if kind in ("greater_than_equal", "less_than_equal"):
         low, high = _bounds(config_type, loc)
         return f"{name} must be in {low}..{high}, got {value}"
-    if kind in ("greater_than", "float_type", "finite_number"):
-        return f"{name} must be a number above 0, got {shown(value)}"
+    if kind in _WORDS:
+        return f"{name} {_WORDS[kind].format(shown(value))}"
     return f"{name}: {error['msg']}"
 
 
