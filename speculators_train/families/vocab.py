@@ -12,7 +12,21 @@ from disk is held to the same rules (`checked_maps`): otherwise a bad offset sur
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+
+def default_mask_token_id(target_config: Any) -> int:
+    """The input id of a parallel drafter's mask slots when the recipe names none (P-EAGLE, DFlash): speculators'
+    fallback when the tokenizer has no mask token and no spare embedding row: pad, eos, else 0."""
+    text = target_config.get_text_config()
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(text, name, None)
+        value = value[0] if isinstance(value, list) and value else value
+        if isinstance(value, int) and 0 <= value < text.vocab_size:
+            return value
+    return 0
 
 
 def build_vocab_mapping(token_freq: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

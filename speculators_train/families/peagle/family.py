@@ -14,18 +14,8 @@ from speculators_train.families.peagle.model import PEagleConfig, PEagleDraft, c
 from speculators_train.families.peagle.objective import PEagleObjective
 from speculators_train.families.peagle.proposer import PEagleProposer
 from speculators_train.families.peagle.settings import Settings
+from speculators_train.families.vocab import default_mask_token_id
 from speculators_train.target import Target, TargetHead
-
-
-def default_mask_token_id(target_config: Any) -> int:
-    """speculators' fallback when the tokenizer has no mask token and no spare embedding row: pad, eos, else 0."""
-    text = target_config.get_text_config()
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(text, name, None)
-        value = value[0] if isinstance(value, list) and value else value
-        if isinstance(value, int) and 0 <= value < text.vocab_size:
-            return value
-    return 0
 
 
 class PEagleFamily(EagleFamily):
