@@ -119,8 +119,10 @@ FIT_SETTINGS = {
     "medusa": {"num_heads": 3, "draft_vocab_size": 512},
     "draft_model": {"layers": [0, 1]},
     "mlp": {"n_predict": 3, "inner_dim": 128},
+    "dflash": {"block_size": 4, "num_layers": 1, "mask_token_id": 16, "draft_vocab_size": 512},
 }
 FIT_STEPS = {"draft_model": 30, "mlp": 60}  # whole-vocabulary embeddings and heads: a step is 3-4x EAGLE-3's
+FIT_LR = {"dflash": 3e-4}  # at 3e-3 a fresh DFlash draft settles on one token for every slot (docs/families.md)
 
 
 def fit(target, tmp: Path, family: str = "eagle3", **settings):
@@ -153,7 +155,7 @@ def fit(target, tmp: Path, family: str = "eagle3", **settings):
     # hidden_states runs in inference mode; clones are ordinary tensors autograd may save
     batch = {"input_ids": full, "aux_hidden_states": aux.clone(), "hidden_state": final.clone(), "loss_mask": mask}
     objective = fam.objective(draft, TargetHead.from_target(target), settings_)
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=FIT_LR.get(family, 3e-3))
     for _ in range(FIT_STEPS.get(family, 120)):
         loss, _ = objective(batch)
         opt.zero_grad()

@@ -135,9 +135,10 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 FAMILY_NAMES = re.compile(
-    r"medusa|eagle3|peagle|draft_model|mlp_speculator|Medusa|Eagle3|PEagle|P-EAGLE|StandaloneDraft|MLPDraft|\bmlp\b"
+    r"medusa|eagle3|peagle|draft_model|mlp_speculator|dflash|Medusa|Eagle3|PEagle|P-EAGLE|StandaloneDraft|MLPDraft"
+    r"|DFlash|\bmlp\b"
 )
-RECIPE_FILE = re.compile(r"recipes/(medusa|eagle3|peagle|draft_model|mlp)[\w.-]*\.yaml")
+RECIPE_FILE = re.compile(r"recipes/(medusa|eagle3|peagle|draft_model|mlp|dflash)[\w.-]*\.yaml")
 # An engine's own vocabulary: llama.cpp's GGUF architecture "eagle3" and the speculative type it must be told for it.
 ENGINE_WORDS = re.compile(r'"eagle3": "draft-eagle3"')
 

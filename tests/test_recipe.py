@@ -131,7 +131,7 @@ def test_invalid_training_and_draft_keys(tmp_path):
 
 
 def test_the_draft_section_names_a_registered_family(tmp_path):
-    registered = r"\(one of 'eagle3', 'medusa', 'peagle', 'mlp', 'draft_model'\)"
+    registered = r"\(one of 'eagle3', 'medusa', 'peagle', 'mlp', 'dflash', 'draft_model'\)"
     for text, message in (
         ("draft: {ttt_steps: 3}", r"draft\.family: is missing " + registered),
         ("draft: {family: eagle4}", r"draft\.family: 'eagle4' is not registered " + registered),

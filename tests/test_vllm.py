@@ -191,7 +191,7 @@ def printed_speculative_config(capsys, argv: list[str]) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["eagle3", "peagle", "medusa", "draft_model"])
+@pytest.mark.parametrize("family", ["eagle3", "peagle", "medusa", "draft_model", "dflash"])
 def test_vllm_serves_each_family_from_the_printed_command_with_the_targets_output(
     family, target, reference, fitted, tmp_path, capsys
 ):
@@ -212,6 +212,15 @@ def test_vllm_serves_each_family_from_the_printed_command_with_the_targets_outpu
         assert (parsed.num_hidden_layers, parsed.vocab_size, parsed.tie_word_embeddings) == (2, 49152, False)
     elif family == "medusa":
         assert (parsed.num_heads, parsed.truncated_vocab_size, parsed.vocab_size) == (3, 49152, 49152)
+    elif family == "dflash":  # the target captures our ids; the draft's own ids are one lower; blocks bidirectional
+        assert parsed.architectures == ["DFlashDraftModel"] and parsed.draft_vocab_size == 512
+        assert parsed.eagle_aux_hidden_state_layer_ids == target.aux_layer_ids
+        ids = [i - 1 for i in target.aux_layer_ids]
+        causal = {"sample_from_anchor": False, "causal": False}
+        assert parsed.dflash_config == {"mask_token_id": 16, "target_layer_ids": ids, **causal}
+        from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+
+        assert dflash_has_any_non_causal(parsed)  # vLLM's own rule: the block runs bidirectionally, as trained
     else:
         assert parsed.eagle_aux_hidden_state_layer_ids == target.aux_layer_ids
         assert (parsed.draft_vocab_size, parsed.norm_before_residual) == (512, False)

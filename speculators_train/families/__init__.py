@@ -16,6 +16,7 @@ FAMILIES = (
     "medusa",  # Medusa-1: heads over the target's last hidden state
     "peagle",  # P-EAGLE: an EAGLE-3-shaped draft proposing every draft token in one forward
     "mlp",  # the MLP speculator: stages over the target's last state, each fed the token drafted before it
+    "dflash",  # DFlash: a block of draft tokens from one forward over [anchor, masks], target states as context
     "draft_model",  # a standalone small causal LM with the target's tokenizer (last: its format is a plain folder)
 )
 
