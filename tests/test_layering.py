@@ -139,8 +139,11 @@ FAMILY_NAMES = re.compile(
     r"|DFlash|\bmlp\b"
 )
 RECIPE_FILE = re.compile(r"recipes/(medusa|eagle3|peagle|draft_model|mlp|dflash)[\w.-]*\.yaml")
-# An engine's own vocabulary: llama.cpp's GGUF architecture "eagle3" and the speculative type it must be told for it.
-ENGINE_WORDS = re.compile(r'"eagle3": "draft-eagle3"')
+# An engine's own vocabulary: llama.cpp's GGUF architectures "eagle3" (with the speculative type it must be told for
+# it) and "dflash" (which it detects from the file).
+ENGINE_WORDS = re.compile(
+    r'"eagle3": "draft-eagle3"|\{"dflash"\}|DFlash and DSpark drafts \(GGUF architecture `dflash`\)'
+)
 
 
 def test_only_the_families_name_a_family():
