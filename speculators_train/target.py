@@ -255,7 +255,10 @@ class TargetHead(nn.Module):
     def __init__(self, norm: nn.Module, lm_head_weight: torch.Tensor, softcap: float | None = None) -> None:
         super().__init__()
         self.norm = norm
-        self.lm_head = nn.Linear(lm_head_weight.shape[1], lm_head_weight.shape[0], bias=False)
+        # on the weight's device: a head made from a CUDA target must not compute on the CPU
+        self.lm_head = nn.Linear(
+            lm_head_weight.shape[1], lm_head_weight.shape[0], bias=False, device=lm_head_weight.device
+        )
         with torch.no_grad():
             self.lm_head.weight.copy_(lm_head_weight)
         self.softcap = softcap

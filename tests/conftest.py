@@ -147,7 +147,7 @@ def fit(target, tmp: Path, family: str = "eagle3", **settings):
     head = {"embed": target.embed_tokens.weight, "lm_head": target.lm_head.weight, "norm": target.final_norm.weight}
     settings_ = fam.settings(**{**FIT_SETTINGS[family], **settings})
     torch.manual_seed(0)
-    draft = fam.new_draft(settings_, target.config, head, freq, target.aux_layer_ids)
+    draft = fam.new_draft(settings_, target.config, head, freq, target.aux_layer_ids).to(target.device)
     with torch.no_grad():
         aux, final = target.hidden_states(full, torch.ones_like(full))
     mask = torch.zeros_like(full, dtype=torch.bool)

@@ -49,7 +49,7 @@ def random_dflash(target, block_size: int = 8, layers: int = 2) -> DFlashDraft:
         draft.d2t.copy_(d2t)
         draft.t2d.copy_(t2d)
         draft.embed_tokens.weight.copy_(target.embed_tokens.weight)
-    return draft.eval()
+    return draft.to(target.device).eval()
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def dense_logits(draft, tokens, aux, anchors) -> torch.Tensor:
 
 
 def test_the_training_forward_is_one_dense_pass_with_speculators_anchor_block_mask(target):
-    draft = random_dflash(target, block_size=5, layers=2)
+    draft = random_dflash(target, block_size=5, layers=2).cpu()  # synthetic tensors against a CPU reference
     torch.manual_seed(1)
     length = 40
     tokens = torch.randint(0, 1000, (2, length))
@@ -147,7 +147,7 @@ def test_one_proposer_forward_drafts_what_training_scores_at_the_same_anchor(tar
     length = len(ids)
     anchors = torch.tensor([[length - 20, length - 14, length - 13]])
     with torch.no_grad():
-        trained = draft.training_forward(torch.tensor([ids]), aux, anchors)
+        trained = draft.training_forward(torch.tensor([ids], device=aux.device), aux, anchors.to(aux.device))
     proposer = DFlashProposer(draft)
     proposer.reset(ids[0])
     done = 0
@@ -175,10 +175,11 @@ def test_position_weights_decay_or_follow_dpace_and_the_loss_is_their_mean(targe
 
     ids, aux, final = conversation
     config, weights = load_head_weights(TargetConfig())
-    head = TargetHead.from_weights(config, weights)
-    mask = torch.zeros(1, len(ids), dtype=torch.bool)
+    head = TargetHead.from_weights(config, weights).to(aux.device)
+    mask = torch.zeros(1, len(ids), dtype=torch.bool, device=aux.device)
     mask[0, len(ids) - 24 :] = True
-    batch = {"input_ids": torch.tensor([ids]), "aux_hidden_states": aux, "hidden_state": final, "loss_mask": mask}
+    ids_ = torch.tensor([ids], device=aux.device)
+    batch = {"input_ids": ids_, "aux_hidden_states": aux, "hidden_state": final, "loss_mask": mask}
     with torch.no_grad():
         loss, sums = block_loss(draft, batch, head, 7, ("exp_decay", 4.0, 0.5), 512, "ce", False)
     numerators = [float(sums[f"loss_{d}"][0]) for d in range(7)]
@@ -197,7 +198,7 @@ def test_sampled_dflash_proposals_come_from_the_distributions_they_report(target
     proposer = DFlashProposer(draft)
     proposer.reset(ids[0])
     proposer.extend(ids[1:30], aux[0, :29])
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=aux.device).manual_seed(0)  # where the draft samples: the target's device
     greedy = proposer.propose_chain(3, GREEDY, None)
     assert proposer.propose_chain(3, Sampling(0.8), g) == (greedy[0], None)  # argmax drafting reports no q
     sampling = Sampling(0.8, draft_sampling="sample")
@@ -207,7 +208,7 @@ def test_sampled_dflash_proposals_come_from_the_distributions_they_report(target
         draws.append(tokens)
     logits = proposer.logits(3).float()
     for d in range(3):
-        expected = torch.zeros(target.vocab_size)
+        expected = torch.zeros(target.vocab_size, device=q.device)
         expected[draft_to_target(draft.d2t)] = torch.softmax(logits[d] / 0.8, dim=-1)
         torch.testing.assert_close(q[d], expected)
         samples = [t[d] for t in draws]

@@ -192,7 +192,7 @@ def test_sampled_peagle_proposals_come_from_the_distributions_they_report(target
     ids, aux = conversation
     proposer = PEagleProposer(draft)
     proposer.extend(ids[1:30], aux[0, :29])
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=aux.device).manual_seed(0)  # where the draft samples: the target's device
     greedy = proposer.propose_chain(3, GREEDY, None)
     assert proposer.propose_chain(3, Sampling(0.8), g) == (greedy[0], None)  # argmax drafting reports no q
     sampling = Sampling(0.8, draft_sampling="sample")
@@ -202,7 +202,7 @@ def test_sampled_peagle_proposals_come_from_the_distributions_they_report(target
         draws.append(tokens)
     logits = proposer.logits(3).float()
     for d in range(3):
-        expected = torch.zeros(target.vocab_size)
+        expected = torch.zeros(target.vocab_size, device=q.device)
         expected[draft_to_target(draft.d2t)] = torch.softmax(logits[d] / 0.8, dim=-1)
         torch.testing.assert_close(q[d], expected)
         samples = [t[d] for t in draws]
