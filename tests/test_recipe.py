@@ -205,3 +205,12 @@ def test_max_length_must_leave_room_for_the_ttt_unroll(tmp_path):
     path = write(tmp_path, "name: x\ndata: {mix: m.yaml, max_length: 8}\ndraft: {family: eagle3, ttt_steps: 7}\n")
     with pytest.raises(UserError, match=r"data\.max_length \(8\) must exceed draft\.ttt_steps \+ 1 \(8\)"):
         load_recipe(path)
+
+
+def test_deepspeed_and_fsdp_together_are_refused(tmp_path):
+    path = write(tmp_path, "name: x\ndata: {mix: m.yaml}\ntraining: {deepspeed: {zero_stage: 2}, fsdp: {}}\n")
+    with pytest.raises(UserError, match=r"training\.deepspeed and training\.fsdp are both set"):
+        load_recipe(path)
+    path = write(tmp_path, "name: x\ndata: {mix: m.yaml}\ntraining: {fsdp: {reshard_after_forwad: false}}\n")
+    with pytest.raises(UserError, match=r"training\.fsdp\.reshard_after_forwad"):
+        load_recipe(path)

@@ -38,10 +38,12 @@ def family_of(draft: nn.Module) -> Family:
     raise TypeError(f"{type(draft).__name__} is not the draft of a registered family")
 
 
-def draft_state_dict(draft: nn.Module) -> dict[str, torch.Tensor]:
-    """What a checkpoint stores: every tensor but the frozen ones the family restores from the target."""
+def draft_state_dict(draft: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """What a checkpoint stores: every tensor but the frozen ones the family restores from the target (of `state`,
+    the draft's whole tensors where its own are shards, or else of the draft itself)."""
     skip = family_of(draft).not_saved
-    return {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items() if k not in skip}
+    state = draft.state_dict() if state is None else state
+    return {k: v.detach().cpu().contiguous() for k, v in state.items() if k not in skip}
 
 
 def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
@@ -56,9 +58,10 @@ def refuse_non_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
         raise UserError(f"{where}: tensor {name!r} holds non-finite values (NaN or inf); the draft is unusable")
 
 
-def save_draft(directory: Path, draft: nn.Module) -> None:
-    """Weights and config (with the family's name) into `directory`, which the caller renames into place."""
-    weights = draft_state_dict(draft)
+def save_draft(directory: Path, draft: nn.Module, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Weights (of `state` where given: `draft_state_dict`) and config (with the family's name) into `directory`,
+    which the caller renames into place."""
+    weights = draft_state_dict(draft, state)
     refuse_non_finite(weights, f"saving the draft to {directory}")
     save_file(weights, directory / WEIGHTS)
     saved = {"family": family_of(draft).name, **draft.config.to_dict()}

@@ -1,4 +1,4 @@
-"""The recipe's `training:` section with its sub-sections (selection, DeepSpeed, wandb).
+"""The recipe's `training:` section with its sub-sections (selection, DeepSpeed, FSDP, wandb).
 
 Kept next to the trainer that reads it, and apart from it so that loading a recipe imports no torch: the recipe
 (`recipe.py`) composes this section.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from speculators_train.schema import Section
 
@@ -25,6 +25,18 @@ class DeepSpeedConfig(Section):
         2, description="ZeRO-3 would shard the draft's weights, and stage 0 is plain DDP: neither is supported."
     )
     offload_optimizer: bool = False
+
+
+class FSDPConfig(Section):
+    """FSDP2 (`fully_shard`, through accelerate): every weight, gradient and Adam moment of the objective sharded
+    across the ranks."""
+
+    reshard_after_forward: bool = Field(
+        True,
+        description="true: free each rank's gathered weights after the forward and gather them again for the "
+        "backward (ZeRO-3's memory); false: keep them until the backward (ZeRO-2-like, one all-gather a step).",
+    )
+    cpu_offload: bool = Field(False, description="Keep the shards and optimizer state in CPU memory (CUDA runs).")
 
 
 class SelectConfig(Section):
@@ -64,11 +76,18 @@ class TrainingConfig(Section):
     length_bucketing: bool = Field(True, description="Batch samples of similar length (less padding).")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 on CUDA.")
     deepspeed: DeepSpeedConfig | None = Field(None, description="Set to use DeepSpeed ZeRO.")
+    fsdp: FSDPConfig | None = Field(None, description="Set to use FSDP2 (not with deepspeed).")
     save_every_steps: int | None = Field(None, gt=0, description="Also checkpoint at each epoch end.")
     eval_every_steps: int | None = Field(None, gt=0, description="Also validate at each epoch end.")
     keep_last: int = Field(2, gt=0, description="Checkpoints kept besides the best.")
     log_every_steps: int = Field(10, gt=0)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    @model_validator(mode="after")
+    def _one_sharding(self) -> TrainingConfig:
+        if self.deepspeed is not None and self.fsdp is not None:
+            raise ValueError("training.deepspeed and training.fsdp are both set: pick one way to shard")
+        return self
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

@@ -1,8 +1,8 @@
 """The training loop, shared by every draft family: forward/loss, backward, clip, step. No per-family branches:
 the recipe's family builds the draft and its objective, and the loop only sees `objective(batch) -> (loss, sums)`.
 
-Runs single-process (CPU or GPU), DDP across processes (`accelerate launch`, `torchrun`), or DeepSpeed ZeRO
-from the recipe. Offline data comes from generator shards; online data is captured from the target in the loop.
+Runs single-process (CPU or GPU), DDP across processes (`accelerate launch`, `torchrun`), or DeepSpeed ZeRO or
+FSDP2 from the recipe. Offline data comes from generator shards; online data is captured from the target in the loop.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from speculators_train.families.base import Family
 from speculators_train.families.drafts import check_fits, latest_checkpoint, load_draft, load_weights, read_pointer
 from speculators_train.families.objective import Objective, Sums, predicted_al_key, summarize
 from speculators_train.files import append_line, atomic_write_bytes, atomic_write_json, to_json
-from speculators_train.loading import reading
+from speculators_train.loading import load_torch_state, reading
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
 from speculators_train.target import TargetHead, load_head_weights, load_target
 from speculators_train.tracking import init_wandb
 from speculators_train.training import checkpoint as ckpt
-from speculators_train.training import zero
+from speculators_train.training import fsdp, zero
 from speculators_train.training.data import collate
 from speculators_train.training.select import select
 from speculators_train.training.sources import OfflineSource, OnlineSource
@@ -78,6 +78,7 @@ def resume_identity(recipe: Recipe, data_fingerprint: str, world: int) -> dict[s
         "length_bucketing": t.length_bucketing,
         "world_size": world,
         "deepspeed": t.deepspeed.model_dump() if t.deepspeed else None,
+        "fsdp": t.fsdp.model_dump() if t.fsdp else None,
         "hidden_states": recipe.generation.hidden_states,
         "samples_per_shard": recipe.generation.samples_per_shard,
         "data": recipe.data.model_dump(exclude={"mix"}),
@@ -263,9 +264,16 @@ class Trainer:
             )
         weights = load_weights(path)
         with reading(path, "checkpoint does not fit this run"):  # a damaged or foreign state: one line, no trace
-            self.draft.load_state_dict(weights, strict=False)
+            if self.cfg.fsdp is not None:
+                fsdp.load_full_weights(self.draft, weights)
+            else:
+                self.draft.load_state_dict(weights, strict=False)
             if self.cfg.deepspeed is not None:
                 zero.restore(self.model.optimizer, self._trainable(), optimizer_state["zero"])
+            elif self.cfg.fsdp is not None:
+                shard = path / fsdp.shard_name(self.accelerator.process_index, self.accelerator.num_processes)
+                saved = load_torch_state(shard, "optimizer shard")
+                fsdp.restore_optimizer_state(self.optimizer.optimizer, self._trainable(), saved)
             else:
                 self.optimizer.load_state_dict(optimizer_state["optimizer"])
             self.scheduler.load_state_dict(optimizer_state["scheduler"])
@@ -287,18 +295,42 @@ class Trainer:
     def _save(self) -> None:
         self.accelerator.wait_for_everyone()
         optimizer_state = {"scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
+        weights = shards = None
         if self.cfg.deepspeed is not None:
             optimizer_state["zero"] = zero.gather(self.model.optimizer, self._trainable())  # every rank takes part
+        elif self.cfg.fsdp is not None:
+            weights = fsdp.full_weights(self.draft)  # every rank takes part; rank 0 writes them
+            shards = self._stage_optimizer_shards()
         else:
             optimizer_state["optimizer"] = self.optimizer.state_dict()
         self._saved = self._position()
         if self.accelerator.is_main_process:
             ckpt.save_checkpoint(
-                self.ckpt_dir, self.state["step"], self.draft, optimizer_state, self.state, self.cfg.keep_last
+                self.ckpt_dir,
+                self.state["step"],
+                self.draft,
+                optimizer_state,
+                self.state,
+                self.cfg.keep_last,
+                weights=weights,
+                shards=shards,
             )
             if self.state["best"] is not None and self.state["best"]["step"] == self.state["step"]:
                 atomic_write_json(self.ckpt_dir / "best.json", self.state["best"])
         self.accelerator.wait_for_everyone()
+
+    def _stage_optimizer_shards(self):
+        """Each rank's slice of the Adam moments into one staging directory, all written before rank 0 moves them
+        into the checkpoint."""
+        acc = self.accelerator
+        if acc.is_main_process:
+            ckpt.stage_shards(self.ckpt_dir, self.state["step"])
+        acc.wait_for_everyone()
+        staging = self.ckpt_dir / f".shards-{self.state['step']:06d}"
+        local = fsdp.local_optimizer_state(self.optimizer.optimizer, self._trainable())
+        torch.save(local, staging / fsdp.shard_name(acc.process_index, acc.num_processes))
+        acc.wait_for_everyone()
+        return staging
 
     def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(name, p) for name, p in self.draft.named_parameters() if p.requires_grad]
@@ -345,11 +377,13 @@ class Trainer:
         held_out = self.source.held_out  # this rank's share
         zero = torch.zeros(2, device=self.accelerator.device)
         sums = dict.fromkeys(self.metric_keys, zero)
-        for k in range(0, len(held_out), self.cfg.batch_size):
-            batch = collate([held_out[i] for i in range(k, min(k + self.cfg.batch_size, len(held_out)))])
-            _, metrics = self.model(self._to_device(batch))
-            for key, value in metrics.items():
-                sums[key] = sums[key] + value
+        reshard = self.cfg.fsdp.reshard_after_forward if self.cfg.fsdp is not None else True
+        with fsdp.gathered(self.model, reshard):
+            for k in range(0, len(held_out), self.cfg.batch_size):
+                batch = collate([held_out[i] for i in range(k, min(k + self.cfg.batch_size, len(held_out)))])
+                _, metrics = self.model(self._to_device(batch))
+                for key, value in metrics.items():
+                    sums[key] = sums[key] + value
         self.model.train()
         return summarize(self._sum(sums), self.al_depth)
 
