@@ -214,3 +214,25 @@ def test_deepspeed_and_fsdp_together_are_refused(tmp_path):
     path = write(tmp_path, "name: x\ndata: {mix: m.yaml}\ntraining: {fsdp: {reshard_after_forwad: false}}\n")
     with pytest.raises(UserError, match=r"training\.fsdp\.reshard_after_forwad"):
         load_recipe(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "strategy"),
+    [("ddp", ("multi_gpu", None)), ("zero2", ("use_deepspeed", 2)), ("fsdp2", ("use_fsdp", 2))],
+)
+def test_launch_configs_read_by_accelerate_launch_start_the_strategy_they_name(name, strategy):
+    """accelerate's own `launch` argument handling reads each shipped config: two machines, a static rendezvous at
+    machine 0's address, and the distributed type (with ZeRO's stage, FSDP's version) the README says."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    parsed = launch_command_parser().parse_args(["--config_file", str(REPO / "launch" / f"{name}.yaml"), "-m", "x"])
+    args, *_ = _validate_launch_command(parsed)
+    flag, level = strategy
+    flags = {"multi_gpu": args.multi_gpu, "use_deepspeed": args.use_deepspeed, "use_fsdp": args.use_fsdp}
+    assert [k for k, v in flags.items() if v] == [flag]
+    assert (args.num_machines, args.rdzv_backend, args.main_process_port) == (2, "static", 29500)
+    if flag == "use_deepspeed":
+        assert args.zero_stage == level
+    if flag == "use_fsdp":
+        assert int(args.fsdp_version) == level
+    assert sorted(p.stem for p in (REPO / "launch").glob("*.yaml")) == ["ddp", "fsdp2", "zero2"]

@@ -67,12 +67,13 @@ def accelerator(recipe: Recipe, distributed: bool = True):
         )
     if fsdp_plugin is not None:
         fsdp.engage(acc, fsdp_plugin)
-    elif distributed and acc.distributed_type == DistributedType.FSDP:
+    elif distributed and acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED) and not plugin:
         # The recipe is where a run's strategy lives (its checkpoints and resume rules follow it); an accelerate
         # config only places the ranks.
+        key = "fsdp" if acc.distributed_type == DistributedType.FSDP else "deepspeed"
         raise UserError(
-            f"{recipe.source_path}: accelerate was launched for FSDP but the recipe sets no training.fsdp; "
-            "set training.fsdp in the recipe, or launch with a config without distributed_type: FSDP"
+            f"{recipe.source_path}: accelerate was launched for {acc.distributed_type.value} but the recipe sets no "
+            f"training.{key}; set training.{key} in the recipe, or launch with a config of another distributed_type"
         )
     return acc
 

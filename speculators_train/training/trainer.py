@@ -210,6 +210,7 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.wandb = None
         self._saved: str | None = None  # the `_position()` of the last checkpoint written or resumed from
+        self._state_measured = False
         self._resume()
 
     def _time_lr_factor(self) -> float:
@@ -331,6 +332,24 @@ class Trainer:
         torch.save(local, staging / fsdp.shard_name(acc.process_index, acc.num_processes))
         acc.wait_for_everyone()
         return staging
+
+    def _state_mib(self) -> dict[str, float]:
+        """Rank 0's share of the training state after a step, in MiB: the objective's weights (trainable and frozen;
+        a shard of each under FSDP2) and what the optimizer keeps (Adam moments, and ZeRO's fp32 master slices)."""
+        from torch.distributed.tensor import DTensor
+
+        def size(t: torch.Tensor) -> int:
+            t = t.to_local() if isinstance(t, DTensor) else t
+            return t.numel() * t.element_size()
+
+        inner = self.model.optimizer.optimizer if self.cfg.deepspeed is not None else self.optimizer.optimizer
+        held = [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
+        if self.cfg.deepspeed is not None:
+            held += [p for group in inner.param_groups for p in group["params"]]  # the fp32 master partitions
+        return {
+            "memory/weights_mib": sum(size(p) for p in self.model.parameters()) / 2**20,
+            "memory/optimizer_mib": sum(size(t) for t in held) / 2**20,
+        }
 
     def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(name, p) for name, p in self.draft.named_parameters() if p.requires_grad]
@@ -457,6 +476,9 @@ class Trainer:
                     "tokens_per_s": rate,
                 }
                 self._refuse_non_finite("training loss", record["loss"])
+                if not self._state_measured:  # once a process: what the strategy leaves on each rank
+                    record.update(self._state_mib())
+                    self._state_measured = True
                 if state["step"] % cfg.log_every_steps == 0 or state["step"] == self.total_steps:
                     summary = summarize(self._sum(sums), self.steps)
                     record.update({f"train/{k}": v for k, v in summary.items() if "acc" in k or k == "vocab_coverage"})

@@ -1,8 +1,10 @@
-"""FSDP2 through accelerate's plugin on two CPU ranks (gloo), with the real target's stored states: the same losses
-as one rank, a sharded checkpoint that survives kill -9 and resumes on the same curve, and the same export."""
+"""Beyond one process, with the real target and its stored states: FSDP2 through accelerate's plugin on two CPU
+ranks (gloo) gives one rank's losses, a sharded checkpoint that survives kill -9 and resumes on the same curve, and
+the same export; two "nodes" (two torchrun launchers rendezvousing on 127.0.0.1) generate and train as one node."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from .conftest import REPO
-from .test_train import losses, run_recipe, single_rank_losses, two_ranks  # noqa: F401 (a fixture)
+from .test_train import EAGLE3, TRAIN, losses, run_recipe, single_rank_losses, two_ranks  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
 FSDP = {"epochs": 2, "batch_size": 2, "save_every_steps": 1, "keep_last": 10, "fsdp": {}}
@@ -136,3 +138,51 @@ def test_every_family_trains_under_fsdp2_like_one_rank_and_exports_the_same_draf
                     # As a whole: Adam moves a weight whose gradient is float noise by a full step either way.
                     diff = float((x[key] - y[key]).norm() / x[key].norm().clamp(min=1e-12))
                     assert diff < 1e-4, f"{family} {key}: relative difference {diff:.2e}"
+
+
+def two_nodes(stage: str, recipe: Path) -> None:
+    """The README's multi-node commands on one machine: two torchrun launchers (`--nnodes 2`, one rank each), the
+    first node's address and port as the rendezvous, started at once as on two hosts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
+    rendezvous = ["--master_addr", "127.0.0.1", "--master_port", str(port)]
+    command = ["-m", "speculators_train", stage, str(recipe)]
+    nodes = [[*launcher, "--node_rank", str(rank), *rendezvous, *command] for rank in range(2)]
+    procs = [subprocess.Popen(c, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True) for c in nodes]
+    errors = [p.communicate(timeout=600)[1] for p in procs]
+    for proc, err in zip(procs, errors, strict=True):
+        assert proc.returncode == 0, err[-3000:]
+
+
+def test_two_nodes_generate_and_train_as_one_node_of_two_ranks(tmp_path, states):
+    """Each node writes its own shards (rank 1's on the second node) and the states equal one process's; training
+    over them on two nodes gives the losses of one node with two ranks over the same states (the order of samples
+    follows the shards, so the comparison trains on these states, not the session's one-rank ones)."""
+    from speculators_train.hidden_states.shards import HiddenStateShards
+
+    from .conftest import SHAREGPT, make_recipe
+
+    sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}]
+    recipe = make_recipe(tmp_path, sources, training={**TRAIN, "epochs": 2, "batch_size": 2}, draft=EAGLE3)
+    two_nodes("generate", recipe)
+    directory = tmp_path / "run" / "hidden_states"
+    files = {p.name for p in (directory / "train").glob("*.safetensors")}
+    assert any("-r000-" in f for f in files) and any("-r001-" in f for f in files)
+    one = {s["id"]: s for s in HiddenStateShards(states, "train")}
+    both = {s["id"]: s for s in HiddenStateShards(directory, "train")}
+    assert both.keys() == one.keys()
+    for key, sample in both.items():
+        torch.testing.assert_close(sample["aux_hidden_states"], one[key]["aux_hidden_states"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(sample["hidden_state"], one[key]["hidden_state"], rtol=1e-4, atol=1e-4)
+
+    two_nodes("train", recipe)
+    got = losses(tmp_path / "run")
+    one_node = run_recipe(tmp_path / "one-node", directory, training={"epochs": 2, "batch_size": 2})
+    two_ranks(one_node)
+    expected = losses(tmp_path / "one-node" / "run")
+    assert got.keys() == expected.keys() and len(got) >= 4
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-6), f"step {step}"
