@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from speculators_train.training.fsdp import shard_name
+
 from .conftest import REPO
 from .test_train import EAGLE3, TRAIN, losses, run_recipe, single_rank_losses, two_ranks  # noqa: F401 (a fixture)
 
@@ -85,6 +87,19 @@ def test_fsdp2_on_two_cpu_ranks_trains_like_one_rank_and_resumes_after_kill_9(
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
+
+
+def test_fsdp2_in_one_process_trains_like_plain_training(tmp_path, states, single_rank_losses):  # noqa: F811
+    """No launcher: the trainer makes its own one-rank group, and FSDP2 over it is the plain run."""
+    from .children import CLI, run_python
+
+    one = run_recipe(tmp_path, states, training={"epochs": 2, "batch_size": 4, "fsdp": {}})
+    run_python(CLI, ["train", one], cwd=REPO).check_returncode()
+    got = losses(tmp_path / "run")
+    assert got.keys() == single_rank_losses.keys()
+    for step, expected in single_rank_losses.items():
+        assert got[step] == pytest.approx(expected, rel=1e-5), f"step {step}"
+    assert (tmp_path / "run" / "train" / "checkpoints" / f"step-{max(got):06d}" / shard_name(0, 1)).is_file()
 
 
 def test_every_family_trains_under_fsdp2_like_one_rank_and_exports_the_same_draft(tmp_path, states):

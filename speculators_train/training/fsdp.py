@@ -40,9 +40,10 @@ def plugin(reshard_after_forward: bool, cpu_offload: bool):
     )
 
 
-def process_group() -> None:
-    """A process group for FSDP where no launcher made one: a lone process gets a one-rank gloo group (FSDP's
-    collectives need one even on one rank); under torchrun/accelerate launch the group is accelerate's."""
+def process_group(cuda: bool) -> None:
+    """A process group for FSDP where no launcher made one: a lone process gets a one-rank group (FSDP's
+    collectives need one even on one rank; nccl for CUDA tensors, gloo for CPU ones); under torchrun or
+    accelerate launch the group is accelerate's."""
     import torch.distributed as dist
 
     if dist.is_initialized() or "LOCAL_RANK" in os.environ:
@@ -50,7 +51,10 @@ def process_group() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if cuda:
+        torch.cuda.set_device(0)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def engage(acc, fsdp_plugin) -> None:
@@ -121,9 +125,12 @@ def local_optimizer_state(optimizer: torch.optim.Optimizer, named: list[tuple[st
 def restore_optimizer_state(
     optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]], saved: dict[str, Any]
 ) -> None:
-    """Put `local_optimizer_state`'s slices back as the moments of this rank's shards."""
+    """Put `local_optimizer_state`'s slices back as the moments of this rank's shards (none were saved before the
+    first step; after it, every trainable parameter has its slice)."""
     from torch.distributed.tensor import DTensor
 
+    if not saved:
+        return
     for name, param in named:
         if name not in saved:
             raise KeyError(name)

@@ -51,7 +51,7 @@ def accelerator(recipe: Recipe, distributed: bool = True):
         world = int(os.environ["WORLD_SIZE"])
         plugin.deepspeed_config["train_batch_size"] = cfg.batch_size * cfg.gradient_accumulation_steps * world
     elif distributed and cfg.fsdp is not None:
-        fsdp.process_group()
+        fsdp.process_group(cuda)
         fsdp_plugin = fsdp.plugin(cfg.fsdp.reshard_after_forward, cfg.fsdp.cpu_offload and cuda)
     acc = Accelerator(
         cpu=not cuda and plugin is None,
@@ -67,7 +67,7 @@ def accelerator(recipe: Recipe, distributed: bool = True):
         )
     if fsdp_plugin is not None:
         fsdp.engage(acc, fsdp_plugin)
-    elif distributed and acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED) and not plugin:
+    elif distributed and plugin is None and acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         # The recipe is where a run's strategy lives (its checkpoints and resume rules follow it); an accelerate
         # config only places the ranks.
         key = "fsdp" if acc.distributed_type == DistributedType.FSDP else "deepspeed"
