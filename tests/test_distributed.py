@@ -17,7 +17,15 @@ from safetensors.torch import load_file
 from speculators_train.training.fsdp import shard_name
 
 from .conftest import REPO
-from .test_train import EAGLE3, TRAIN, losses, run_recipe, single_rank_losses, two_ranks  # noqa: F401 (a fixture)
+from .test_train import (  # noqa: F401 (single_rank_losses: a fixture)
+    EAGLE3,
+    TRAIN,
+    assert_resumed_on_the_same_curve,
+    losses,
+    run_recipe,
+    single_rank_losses,
+    two_ranks,
+)
 
 pytestmark = pytest.mark.slow
 FSDP = {"epochs": 2, "batch_size": 2, "save_every_steps": 1, "keep_last": 10, "fsdp": {}}
@@ -77,16 +85,7 @@ def test_fsdp2_on_two_cpu_ranks_trains_like_one_rank_and_resumes_after_kill_9(
     kill_9_all(proc)
     assert json.loads(latest.read_text())["step"] < max(full), "the run finished before it was killed"
     two_ranks(killed)
-    resumed = losses(tmp_path / "killed" / "run")
-    assert resumed.keys() == full.keys()
-    for step in full:
-        assert resumed[step] == pytest.approx(full[step], rel=1e-6), f"step {step}"
-    last = f"step-{max(full):06d}"
-    a = load_file(tmp_path / "clean" / "run" / "train" / "checkpoints" / last / "model.safetensors")
-    b = load_file(tmp_path / "killed" / "run" / "train" / "checkpoints" / last / "model.safetensors")
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
+    assert_resumed_on_the_same_curve(tmp_path / "clean" / "run", tmp_path / "killed" / "run")
 
 
 def test_fsdp2_in_one_process_trains_like_plain_training(tmp_path, states, single_rank_losses):  # noqa: F811

@@ -84,16 +84,21 @@ def test_killed_run_resumes_with_the_same_loss_curve(tmp_path, states):
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    expected = losses(tmp_path / "clean" / "run")
-    assert json.loads(latest.read_text())["step"] < max(expected), "the run finished before it was killed"
+    last_step = max(losses(tmp_path / "clean" / "run"))
+    assert json.loads(latest.read_text())["step"] < last_step, "the run finished before it was killed"
     run_python(CLI, ["train", killed], cwd=REPO).check_returncode()
-    got = losses(tmp_path / "killed" / "run")
+    assert_resumed_on_the_same_curve(tmp_path / "clean" / "run", tmp_path / "killed" / "run")
+
+
+def assert_resumed_on_the_same_curve(clean: Path, resumed: Path) -> None:
+    """A killed and resumed run logged the uninterrupted run's loss at every step and ends with its weights."""
+    expected, got = losses(clean), losses(resumed)
     assert got.keys() == expected.keys()
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-6), f"step {step}"
-    last = f"step-{max(expected):06d}"
-    a = load_file(tmp_path / "clean" / "run" / "train" / "checkpoints" / last / "model.safetensors")
-    b = load_file(tmp_path / "killed" / "run" / "train" / "checkpoints" / last / "model.safetensors")
+    last = Path("train") / "checkpoints" / f"step-{max(expected):06d}" / "model.safetensors"
+    a, b = load_file(clean / last), load_file(resumed / last)
+    assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
 
