@@ -23,6 +23,26 @@ def process_state():
     return PartialState(cpu=_cpu_flag() or not torch.cuda.is_available())
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on, for a one-process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lone_process_group(cuda: bool) -> None:
+    """A one-rank group where no launcher made one (FSDP's collectives need one even on one rank): nccl for CUDA
+    tensors, gloo for CPU ones. Under torchrun or accelerate launch the group is accelerate's."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() or "LOCAL_RANK" in os.environ:
+        return
+    if cuda:
+        torch.cuda.set_device(0)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=0, world_size=1)
+
+
 def deepspeed_process_state(cuda: bool):
     """PartialState for a DeepSpeed run, before the Accelerator is built: nccl on CUDA, gloo on CPU.
 
@@ -34,11 +54,8 @@ def deepspeed_process_state(cuda: bool):
     from accelerate import PartialState
 
     if "LOCAL_RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-        os.environ.update({**defaults, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        os.environ.update({**defaults, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     os.environ.pop("ACCELERATE_USE_CPU", None)  # the recipe asked for DeepSpeed; the CPU flag would switch it off
     return PartialState(cpu=False, **({} if cuda else {"backend": "gloo"}))

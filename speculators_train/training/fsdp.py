@@ -14,8 +14,6 @@ its optimizer state are a checkpoint by themselves:
 
 from __future__ import annotations
 
-import os
-import socket
 from contextlib import contextmanager
 from typing import Any
 
@@ -38,23 +36,6 @@ def plugin(reshard_after_forward: bool, cpu_offload: bool):
         cpu_offload=cpu_offload,
         state_dict_type="SHARDED_STATE_DICT",
     )
-
-
-def process_group(cuda: bool) -> None:
-    """A process group for FSDP where no launcher made one: a lone process gets a one-rank group (FSDP's
-    collectives need one even on one rank; nccl for CUDA tensors, gloo for CPU ones); under torchrun or
-    accelerate launch the group is accelerate's."""
-    import torch.distributed as dist
-
-    if dist.is_initialized() or "LOCAL_RANK" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    if cuda:
-        torch.cuda.set_device(0)
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def engage(acc, fsdp_plugin) -> None:

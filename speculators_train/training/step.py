@@ -11,7 +11,7 @@ import os
 import torch
 from torch import nn
 
-from speculators_train.distributed import deepspeed_process_state
+from speculators_train.distributed import deepspeed_process_state, lone_process_group
 from speculators_train.errors import UserError
 from speculators_train.families.objective import Sums
 from speculators_train.recipe import Recipe
@@ -51,7 +51,7 @@ def accelerator(recipe: Recipe, distributed: bool = True):
         world = int(os.environ["WORLD_SIZE"])
         plugin.deepspeed_config["train_batch_size"] = cfg.batch_size * cfg.gradient_accumulation_steps * world
     elif distributed and cfg.fsdp is not None:
-        fsdp.process_group(cuda)
+        lone_process_group(cuda)
         fsdp_plugin = fsdp.plugin(cfg.fsdp.reshard_after_forward, cfg.fsdp.cpu_offload and cuda)
     acc = Accelerator(
         cpu=not cuda and plugin is None,
