@@ -49,3 +49,39 @@ def run(cmd: list[str], **popen: Any) -> subprocess.CompletedProcess:
     with group(cmd, **popen) as proc:
         out, err = proc.communicate()
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+# Reads its standard input until this process dies (the pipe's only writer), then SIGKILLs the processes it was
+# given (pid and start time, so a reused pid is spared). argv: "pid:create_time" ...
+_REAPER = r"""
+import sys
+
+import psutil
+
+sys.stdin.buffer.read()
+for entry in sys.argv[1:]:
+    pid, created = entry.split(":")
+    try:
+        proc = psutil.Process(int(pid))
+        if repr(proc.create_time()) == created:
+            proc.kill()
+    except psutil.Error:
+        pass
+"""
+
+
+@contextlib.contextmanager
+def reaped(processes: list) -> Iterator[None]:
+    """Ends `processes` (psutil.Process objects that a library started, such as vLLM's engine) if this process is
+    killed outright inside the block: a kill -9 runs no cleanup here, so a watcher process does it. On a normal
+    exit the library ends them itself and the watcher is stopped."""
+    import sys
+
+    args = [f"{p.pid}:{p.create_time()!r}" for p in processes]
+    watcher = subprocess.Popen([sys.executable, "-c", _REAPER, *args], stdin=subprocess.PIPE, start_new_session=True)
+    try:
+        yield
+    finally:
+        watcher.kill()
+        watcher.wait()
+        watcher.stdin.close()

@@ -86,6 +86,21 @@ class Recipe(Section):
                 f"data.regenerate.model {regen.model!r}: engine 'llama.cpp' replies from the target's GGUF file; "
                 "use engine 'transformers' or 'vllm' to reply with another model"
             )
+        if self.generation.engine == "vllm":
+            if self.generation.hidden_states == "online":
+                problems.append(
+                    "generation.engine 'vllm' writes stored shards; online states are captured by the transformers "
+                    "copy that training holds: set generation.hidden_states: offline or generation.engine: "
+                    "transformers"
+                )
+            if regen.enabled and regen.engine == "transformers":
+                problems.append(
+                    "data.regenerate.engine 'transformers' with generation.engine 'vllm': it would load the "
+                    "transformers weights that the vLLM capture exists to avoid; regenerate with engine 'vllm' "
+                    "or 'llama.cpp'"
+                )
+        elif self.generation.tensor_parallel_size > 1:
+            problems.append("generation.tensor_parallel_size: only generation.engine 'vllm' splits the target")
         if self.eval.engine == "vllm":
             if draft.vllm_format is None:
                 problems.append(

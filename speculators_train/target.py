@@ -337,14 +337,26 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     )
 
 
-def load_target(cfg: TargetConfig) -> Target:
-    """Load tokenizer and model on the configured device/dtype; eval mode, no gradients."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_target(cfg: TargetConfig, weights: bool = True) -> Target:
+    """Load tokenizer and model on the configured device/dtype; eval mode, no gradients.
+
+    `weights=False` builds the model's structure on the meta device from its config, reading no weights: its
+    identity, tokenizer and layer count for a stage where another engine (vLLM) runs the target."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source, hub_id = resolve_source(cfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    if not weights:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+            config = AutoConfig.from_pretrained(source, **kwargs)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+        except Exception as exc:
+            raise UserError(f"could not load target {cfg.name_or_path!r}: {describe(exc)}") from None
+        return _target(cfg, model.eval().requires_grad_(False), tokenizer, hub_id, torch.device("meta"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         # safetensors only, hub ids too: a pickled checkpoint is never unpickled here.
@@ -365,6 +377,10 @@ def load_target(cfg: TargetConfig) -> Target:
             "and the weights are of different models"
         )
     model.to(device).eval().requires_grad_(False)
+    return _target(cfg, model, tokenizer, hub_id, device)
+
+
+def _target(cfg: TargetConfig, model: nn.Module, tokenizer, hub_id: str | None, device: torch.device) -> Target:
     num_layers = len(model.get_decoder().layers)
     ids = cfg.aux_layer_ids or default_aux_layer_ids(num_layers)
     return Target(

@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from speculators_train import children
 from speculators_train.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -137,9 +140,15 @@ def intel_openmp() -> str | None:
 
 
 @contextlib.contextmanager
-def _environment(kv_cache_gib: int, threads: int | None, openmp: bool):
-    """The variables vLLM's CPU workers read when they start (they inherit this process's environment)."""
+def _environment(kv_cache_gib: int, threads: int | None, openmp: bool, overrides: dict[str, str | None]):
+    """The variables vLLM's CPU workers read when they start (they inherit this process's environment), with
+    `overrides` set (None: removed)."""
     saved = dict(os.environ)
+    for name, value in overrides.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     if threads is not None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
@@ -169,7 +178,11 @@ class Engine:
         seed: int = 0,
         enforce_eager: bool = True,
         gpu_memory_utilization: float | None = None,
+        environment: dict[str, str | None] | None = None,
+        **options: Any,
     ) -> None:
+        """`options`: further `vllm.LLM` arguments (a KV-transfer connector, tensor_parallel_size, ...);
+        `environment`: variables set (None: removed) while the engine starts."""
         require()
         self.model = model
         self.speculative_config = speculative_config
@@ -186,20 +199,28 @@ class Engine:
             self.kwargs["speculative_config"] = speculative_config
         if gpu_memory_utilization is not None:  # a GPU shared with a transformers copy of the target
             self.kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        self.env = (kv_cache_gib, threads, intel_openmp)
+        self.kwargs.update(options)
+        self.env = (kv_cache_gib, threads, intel_openmp, environment or {})
         self.llm: Any = None
+        self._reaper: contextlib.AbstractContextManager | None = None
         self.start_seconds = 0.0
 
     def __enter__(self) -> Engine:
         from vllm import LLM
 
         start = time.perf_counter()
+        me = psutil.Process()
+        before = {p.pid for p in me.children(recursive=True)}
         with _environment(*self.env):
             try:
                 self.llm = LLM(**self.kwargs)
             except Exception as exc:  # vLLM raises many types; one line names the engine and the files
                 what = f"draft {self.speculative_config['model']}" if self.speculative_config else "target"
                 raise UserError(f"vLLM could not load {what} on {self.model}: {type(exc).__name__}: {exc}") from exc
+        # vLLM's engine core waits for its client forever: a kill -9 here must not leave it holding the model.
+        engine = [p for p in me.children(recursive=True) if p.pid not in before]
+        self._reaper = children.reaped(engine)
+        self._reaper.__enter__()
         self.start_seconds = time.perf_counter() - start
         return self
 
@@ -213,6 +234,9 @@ class Engine:
         with contextlib.suppress(Exception):
             llm.llm_engine.engine_core.shutdown()
         del llm
+        if self._reaper is not None:
+            self._reaper.__exit__(None, None, None)
+            self._reaper = None
 
     def counts(self) -> SpecCounts:
         return spec_counts(self.llm.get_metrics())

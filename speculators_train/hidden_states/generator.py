@@ -7,13 +7,14 @@ it is fully on disk, so a killed run resumes at the first unlisted shard: nothin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save
@@ -52,11 +53,16 @@ from speculators_train.runinfo import write_run_info
 from speculators_train.sources import gguf_file, resolve_source
 from speculators_train.target import DTYPES, StateSpec, Target, load_target
 
+if TYPE_CHECKING:
+    from speculators_train.hidden_states.vllm_capture import VllmCapture
+
 log = logging.getLogger(__name__)
 
 
 def generation_identity(recipe: Recipe, target: Target, splits: Splits, world_size: int) -> dict[str, Any]:
-    """Everything that must match for a rerun to continue the same output instead of mixing two."""
+    """Everything that must match for a rerun to continue the same output instead of mixing two. The engine is
+    named only when it is not transformers, so sets made before there was a choice still resume."""
+    engine = {"capture_engine": "vllm"} if recipe.generation.engine == "vllm" else {}
     return {
         **target.identity(),
         "aux_layer_ids": target.aux_layer_ids,
@@ -69,6 +75,7 @@ def generation_identity(recipe: Recipe, target: Target, splits: Splits, world_si
         "data_fingerprint": data_fingerprint(splits),
         "samples_per_shard": recipe.generation.samples_per_shard,
         "world_size": world_size,
+        **engine,
     }
 
 
@@ -150,16 +157,22 @@ class ChunkResult:
 
 
 def process_chunk(
-    recipe: Recipe, target: Target, chunk: list[Conversation], seed: int, spec: StateSpec | None = None
+    recipe: Recipe,
+    target: Target,
+    chunk: list[Conversation],
+    seed: int,
+    spec: StateSpec | None = None,
+    engine: VllmCapture | None = None,
 ) -> ChunkResult:
     """Conversations -> (optionally regenerated) -> rendered -> hidden states (`spec`, default: what the recipe's
-    family trains on). Shared by offline shards, online training and online distillation."""
+    family trains on), captured by `engine` when given, else by the transformers target. Shared by offline
+    shards, online training and online distillation."""
     skips = SkipReport()
     spec = spec or recipe_states(recipe, target)
     data, max_tokens = recipe.data, recipe.generation.max_tokens_per_batch
     # One packed copy of the target's weights per chunk (CPU float32, `target.cpu_packed_weights`), for
     # regeneration and capture alike; offline shards and online training both come through here.
-    with target.packed(max_tokens):
+    with target.packed(max_tokens) if engine is None else contextlib.nullcontext():
         regen = data.regenerate
         if regen.enabled and regen.engine == "llama.cpp":
             gguf = gguf_file(recipe.target)
@@ -174,8 +187,10 @@ def process_chunk(
             chunk = regenerate(chunk, model, target.tokenizer, regen, data.max_length, seed)
         rendered = render_many(chunk, target.tokenizer, data.max_length, data.overlong, skips)
         samples = [s for s in rendered if s is not None]
-        states = capture(target, samples, max_tokens, DTYPES[recipe.generation.storage_dtype], spec)
-        return ChunkResult(states, skips)
+        dtype = DTYPES[recipe.generation.storage_dtype]
+        if engine is not None:
+            return ChunkResult(engine.capture(samples, dtype, spec), skips)
+        return ChunkResult(capture(target, samples, max_tokens, dtype, spec), skips)
 
 
 class Progress:
@@ -211,7 +226,8 @@ def generate(recipe: Recipe) -> dict[str, Any]:
     rank, world = state.process_index, state.num_processes
     out_dir = recipe.hidden_states_dir
     splits = load_splits(recipe)
-    target = load_target(recipe.target)
+    # With vLLM capturing, this process needs the target's config and tokenizer, not its weights.
+    target = load_target(recipe.target, weights=recipe.generation.engine != "vllm")
     identity = generation_identity(recipe, target, splits, world)
     if (out_dir / MANIFEST).is_file():
         manifest = read_manifest(out_dir)
@@ -230,7 +246,7 @@ def generate(recipe: Recipe) -> dict[str, Any]:
             log.info("removed %d partial files left by an interrupted run", removed)
     state.wait_for_everyone()
     progress = Progress(out_dir / "progress" / f"rank{rank:03d}.json", identity)
-    run_rank(recipe, target, splits, progress, rank, world, state.is_local_main_process)
+    run_rank(recipe, target, splits, progress, rank, world, state.is_local_main_process, state.local_process_index)
     state.wait_for_everyone()
     manifest = _finalize(out_dir, identity, splits, world) if state.is_main_process else {}
     state.wait_for_everyone()
@@ -238,7 +254,14 @@ def generate(recipe: Recipe) -> dict[str, Any]:
 
 
 def run_rank(
-    recipe: Recipe, target: Target, splits: Splits, progress: Progress, rank: int, world: int, show: bool
+    recipe: Recipe,
+    target: Target,
+    splits: Splits,
+    progress: Progress,
+    rank: int,
+    world: int,
+    show: bool,
+    local_rank: int = 0,
 ) -> None:
     size = recipe.generation.samples_per_shard
     work = {split: chunks(getattr(splits, split)[rank::world], size) for split in SPLITS}
@@ -246,13 +269,19 @@ def run_rank(
     done = sum(len(c) for split, parts in work.items() for c in parts[: progress.done(split)])
     bar = tqdm(total=total, initial=done, unit="rec", desc=f"generate[rank {rank}]", disable=not show)
     tokens, start = 0, time.perf_counter()
+    # A vLLM engine starts only where this rank has shards left to write.
+    engine = None
+    if recipe.generation.engine == "vllm" and any(progress.done(s) < len(p) for s, p in work.items()):
+        from speculators_train.hidden_states.vllm_capture import VllmCapture
+
+        engine = VllmCapture(recipe, target, rank, local_rank)
     # One background writer: serialising + hashing + fsync of shard k overlaps the forward of shard k+1.
-    with ThreadPoolExecutor(max_workers=1) as writer:
+    with engine or contextlib.nullcontext(), ThreadPoolExecutor(max_workers=1) as writer:
         pending: Future | None = None
         for split, parts in work.items():
             folder = recipe.hidden_states_dir / split
             for k in range(progress.done(split), len(parts)):
-                result = process_chunk(recipe, target, parts[k], chunk_seed(recipe, split, rank, k))
+                result = process_chunk(recipe, target, parts[k], chunk_seed(recipe, split, rank, k), engine=engine)
                 if pending is not None:
                     pending.result()
                 pending = writer.submit(_store, progress, split, folder / shard_name(rank, k), result)
