@@ -1,4 +1,4 @@
-"""Benchmark the training strategies side by side on one machine: DDP, DeepSpeed ZeRO-2 and FSDP2 over N ranks.
+"""Benchmark the training strategies side by side on one machine: DDP, DeepSpeed ZeRO-2 and -3, FSDP2 over N ranks.
 
     .venv/bin/python eval/bench_distributed.py --steps 10                       # CPU: 2 gloo ranks, recipes/eagle3.yaml
     .venv/bin/python eval/bench_distributed.py --ranks 8 --strategies ddp,fsdp2   # a GPU machine
@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 STRATEGIES = {
     "ddp": [],
     "zero2": ["training.deepspeed={zero_stage: 2}"],
+    "zero3": ["training.deepspeed={zero_stage: 3}"],
     "fsdp2": ["training.fsdp={}"],
     "fsdp2-keep": ["training.fsdp={reshard_after_forward: false}"],
 }

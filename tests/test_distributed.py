@@ -17,13 +17,14 @@ from safetensors.torch import load_file
 from speculators_train.training.fsdp import shard_name
 
 from .conftest import REPO
-from .test_train import (  # noqa: F401 (single_rank_losses: a fixture)
+from .test_train import (  # noqa: F401 (single_rank_losses and single_rank_run: fixtures)
     EAGLE3,
     TRAIN,
     assert_resumed_on_the_same_curve,
     losses,
     run_recipe,
     single_rank_losses,
+    single_rank_run,
     two_ranks,
 )
 

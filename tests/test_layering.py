@@ -140,9 +140,10 @@ FAMILY_NAMES = re.compile(
 )
 RECIPE_FILE = re.compile(r"recipes/(medusa|eagle3|peagle|draft_model|mlp|dflash)[\w.-]*\.yaml")
 # An engine's own vocabulary: llama.cpp's GGUF architectures "eagle3" (with the speculative type it must be told for
-# it) and "dflash" (which it detects from the file).
+# it) and "dflash" (which it detects from the file), and vLLM's speculative_config key "draft_model_config".
 ENGINE_WORDS = re.compile(
     r'"eagle3": "draft-eagle3"|\{"dflash"\}|DFlash and DSpark drafts \(GGUF architecture `dflash`\)'
+    r'|"draft_model_config"'
 )
 
 

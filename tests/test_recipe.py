@@ -194,8 +194,8 @@ def test_family_rules_are_checked_when_the_recipe_loads(tmp_path, sections, mess
     assert str(err.value).splitlines()[1].startswith(f"  {path}: ") and "(got {" not in str(err.value)
 
 
-@pytest.mark.parametrize("stage", [0, 3, 5])
-def test_deepspeed_stage_must_be_one_or_two(tmp_path, stage):
+@pytest.mark.parametrize("stage", [0, 4])
+def test_deepspeed_stage_must_be_one_two_or_three(tmp_path, stage):
     path = write(tmp_path, f"name: x\ndata: {{mix: m.yaml}}\ntraining: {{deepspeed: {{zero_stage: {stage}}}}}\n")
     with pytest.raises(UserError, match=r"training\.deepspeed\.zero_stage"):
         load_recipe(path)
@@ -218,7 +218,12 @@ def test_deepspeed_and_fsdp_together_are_refused(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "strategy"),
-    [("ddp", ("multi_gpu", None)), ("zero2", ("use_deepspeed", 2)), ("fsdp2", ("use_fsdp", 2))],
+    [
+        ("ddp", ("multi_gpu", None)),
+        ("zero2", ("use_deepspeed", 2)),
+        ("zero3", ("use_deepspeed", 3)),
+        ("fsdp2", ("use_fsdp", 2)),
+    ],
 )
 def test_launch_configs_read_by_accelerate_launch_start_the_strategy_they_name(name, strategy):
     """accelerate's own `launch` argument handling reads each shipped config: two machines, a static rendezvous at
@@ -235,4 +240,4 @@ def test_launch_configs_read_by_accelerate_launch_start_the_strategy_they_name(n
         assert args.zero_stage == level
     if flag == "use_fsdp":
         assert int(args.fsdp_version) == level
-    assert sorted(p.stem for p in (REPO / "launch").glob("*.yaml")) == ["ddp", "fsdp2", "zero2"]
+    assert sorted(p.stem for p in (REPO / "launch").glob("*.yaml")) == ["ddp", "fsdp2", "zero2", "zero3"]

@@ -111,11 +111,22 @@ def two_ranks(recipe: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def single_rank_losses(tmp_path_factory, states):
+def single_rank_run(tmp_path_factory, states) -> Path:
     tmp = tmp_path_factory.mktemp("one")
     one = run_recipe(tmp, states, training={"epochs": 2, "batch_size": 4})
     run_python(CLI, ["train", one], cwd=REPO).check_returncode()
-    return losses(tmp / "run")
+    return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def single_rank_losses(single_rank_run):
+    return losses(single_rank_run)
+
+
+def weights_mib(run: Path) -> float:
+    """Rank 0's share of the objective's weights after its first step (`memory/weights_mib`)."""
+    lines = (run / "train" / "metrics.jsonl").read_text().splitlines()
+    return next(json.loads(x)["memory/weights_mib"] for x in lines if "memory/weights_mib" in x)
 
 
 def test_two_cpu_ranks_match_one_rank_with_the_same_global_batch(tmp_path, states, single_rank_losses):
@@ -127,13 +138,22 @@ def test_two_cpu_ranks_match_one_rank_with_the_same_global_batch(tmp_path, state
         assert got[step] == pytest.approx(expected, rel=1e-4), f"step {step}"
 
 
-def test_deepspeed_zero2_on_two_cpu_ranks_matches_ddp_and_resumes_exactly(tmp_path, states, single_rank_losses):
-    """ZeRO-2 really engages on CPU (gloo), trains like one rank with the same global batch, and a run stopped
-    after a checkpoint continues on the same curve from the gathered (full, not rank-0-shard) optimizer state."""
-    settings = {"epochs": 2, "batch_size": 2, "save_every_steps": 1, "keep_last": 10, "deepspeed": {"zero_stage": 2}}
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_on_two_cpu_ranks_matches_ddp_and_resumes_exactly(
+    tmp_path, states, single_rank_run, single_rank_losses, stage
+):
+    """ZeRO-2 and ZeRO-3 really engage on CPU (gloo), train like one rank with the same global batch, and a run
+    stopped after a checkpoint continues on the same curve from the gathered (full, not rank-0-shard) optimizer
+    state and, under ZeRO-3, weights."""
+    settings = {"epochs": 2, "batch_size": 2, "save_every_steps": 1, "keep_last": 10}
+    settings["deepspeed"] = {"zero_stage": stage}
     two_ranks(run_recipe(tmp_path, states, training=settings))
     run = tmp_path / "run" / "train"
     full = losses(tmp_path / "run")
+    # ZeRO-3 engaged: each of the 2 ranks holds half of every weight; ZeRO-2 holds them whole.
+    assert weights_mib(tmp_path / "run") == pytest.approx(
+        weights_mib(single_rank_run) / (2 if stage == 3 else 1), rel=0.01
+    )
     assert full.keys() == single_rank_losses.keys()
     for step, expected in single_rank_losses.items():
         assert full[step] == pytest.approx(expected, rel=1e-4), f"step {step}"

@@ -65,7 +65,8 @@ class VllmCapture:
 
     def __init__(self, recipe: Recipe, target: Target, rank: int, local_rank: int) -> None:
         self.num_layers = target.num_layers
-        self.spool = recipe.hidden_states_dir / f".vllm-rank{rank:03d}"
+        # absolute: vLLM's workers write there from their own working directory
+        self.spool = (recipe.hidden_states_dir / f".vllm-rank{rank:03d}").resolve()
         # The layers are the recipe's; a family that reads fewer takes a subset of what is captured.
         self.layer_ids = [*target.aux_layer_ids, target.num_layers]
         device = resolve_device(recipe.target.device)

@@ -21,8 +21,10 @@ class WandbConfig(Section):
 
 
 class DeepSpeedConfig(Section):
-    zero_stage: Literal[1, 2] = Field(
-        2, description="ZeRO-3 would shard the draft's weights, and stage 0 is plain DDP: neither is supported."
+    zero_stage: Literal[1, 2, 3] = Field(
+        2,
+        description="1: optimizer state sharded; 2: and gradients; 3: and the weights (the draft's and the frozen "
+        "target head's), gathered for each forward. Stage 0 is plain DDP: leave training.deepspeed unset.",
     )
     offload_optimizer: bool = False
 

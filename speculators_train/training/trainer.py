@@ -144,6 +144,12 @@ class Trainer:
                 f"{recipe.source_path}: the held-out split has no samples, so nothing can be validated "
                 "or kept as best; raise data.held_out_fraction"
             )
+        if self._zero3 and self._min_across_ranks(len(self.source.held_out)) == 0:
+            # Each ZeRO-3 forward gathers weights from every rank, so every rank validates on batches of its own.
+            raise UserError(
+                f"{recipe.source_path}: training.deepspeed.zero_stage 3 needs a held-out sample on each of the "
+                f"{world} ranks, and the held-out split has {held_out}; raise data.held_out_fraction"
+            )
         return target_config, weights
 
     def _set_up_state(self) -> None:
@@ -225,7 +231,8 @@ class Trainer:
         return bool(self.cfg.max_minutes) and self.state["train_seconds"] >= 60 * self.cfg.max_minutes
 
     def _max_across_ranks(self, value: float) -> float:
-        """Ranks' clocks differ; the time budget must stop them all at the same step."""
+        """The largest `value` of any rank (ranks' clocks differ: the time budget must stop them all at the same
+        step)."""
         if self.accelerator.num_processes == 1:
             return value
         import torch.distributed as dist
@@ -248,6 +255,10 @@ class Trainer:
         objective: Objective = self.accelerator.unwrap_model(self.model)
         return objective.draft
 
+    @property
+    def _zero3(self) -> bool:
+        return self.cfg.deepspeed is not None and self.cfg.deepspeed.zero_stage == 3
+
     def _resume(self) -> None:
         path = latest_checkpoint(self.ckpt_dir)
         if path is None:
@@ -267,6 +278,9 @@ class Trainer:
         with reading(path, "checkpoint does not fit this run"):  # a damaged or foreign state: one line, no trace
             if self.cfg.fsdp is not None:
                 fsdp.load_full_weights(self.draft, weights)
+            elif self._zero3:
+                with zero.whole(self.draft, modify=True):
+                    self.draft.load_state_dict(weights, strict=False)
             else:
                 self.draft.load_state_dict(weights, strict=False)
             if self.cfg.deepspeed is not None:
@@ -299,6 +313,8 @@ class Trainer:
         weights = shards = None
         if self.cfg.deepspeed is not None:
             optimizer_state["zero"] = zero.gather(self.model.optimizer, self._trainable())  # every rank takes part
+            if self._zero3:
+                weights = zero.full_weights(self.draft)
         elif self.cfg.fsdp is not None:
             weights = fsdp.full_weights(self.draft)  # every rank takes part; rank 0 writes them
             shards = self._stage_optimizer_shards()
@@ -339,7 +355,7 @@ class Trainer:
         from torch.distributed.tensor import DTensor
 
         def size(t: torch.Tensor) -> int:
-            t = t.to_local() if isinstance(t, DTensor) else t
+            t = t.to_local() if isinstance(t, DTensor) else getattr(t, "ds_tensor", t)  # ZeRO-3: the rank's partition
             return t.numel() * t.element_size()
 
         inner = self.model.optimizer.optimizer if self.cfg.deepspeed is not None else self.optimizer.optimizer
@@ -397,10 +413,16 @@ class Trainer:
         zero = torch.zeros(2, device=self.accelerator.device)
         sums = dict.fromkeys(self.metric_keys, zero)
         reshard = self.cfg.fsdp.reshard_after_forward if self.cfg.fsdp is not None else True
+        starts = list(range(0, len(held_out), self.cfg.batch_size))
+        if self._zero3:
+            # A ZeRO-3 forward is a collective: a rank with fewer batches repeats its last one, and drops its metrics.
+            starts += [starts[-1]] * (int(self._max_across_ranks(len(starts))) - len(starts))
         with fsdp.gathered(self.model, reshard):
-            for k in range(0, len(held_out), self.cfg.batch_size):
+            for n, k in enumerate(starts):
                 batch = collate([held_out[i] for i in range(k, min(k + self.cfg.batch_size, len(held_out)))])
                 _, metrics = self.model(self._to_device(batch))
+                if k in starts[:n]:
+                    continue
                 for key, value in metrics.items():
                     sums[key] = sums[key] + value
         self.model.train()

@@ -112,7 +112,7 @@ CASES = [
     ("temperatures-negative", dumped(**{"eval.temperatures": [-1.0]}), [], ["eval.temperatures"]),
     ("temperatures-empty", dumped(**{"eval.temperatures": []}), [], ["eval.temperatures"]),
     ("k-zero", dumped(**{"eval.llama_cpp.speculative_tokens": [0]}), [], ["each K must be >= 1"]),
-    ("zero-stage-3", dumped(**{"training.deepspeed": {"zero_stage": 3}}), [], ["training.deepspeed.zero_stage"]),
+    ("zero-stage-4", dumped(**{"training.deepspeed": {"zero_stage": 4}}), [], ["training.deepspeed.zero_stage"]),
     ("name-with-slash", dumped(name="a/b"), [], ["name must be a non-empty string without '/'"]),
     ("name-empty", dumped(name=""), [], ["name must be a non-empty string"]),
     ("name-dot-dot", dumped(name="..", output_dir=None), [], ["not '.' or '..'"]),
