@@ -40,10 +40,21 @@ def test_recipe_refuses_vllm_capture_where_it_cannot_serve(tmp_path, capsys):
     clean_error(["data", split], capsys, "generation.tensor_parallel_size: only generation.engine 'vllm'")
 
 
-def test_the_engine_starts_without_the_launchers_variables_and_they_come_back(monkeypatch):
+def test_the_engine_starts_without_the_launchers_variables_and_they_come_back(tmp_path, monkeypatch):
+    """vLLM reads LOCAL_RANK and the rendezvous variables as its own (which rank is first on a machine, env://
+    init); under torchrun they describe this process's group, so each rank's engine starts without them."""
+    from speculators_train.hidden_states.vllm_capture import LAUNCHER_VARIABLES, VllmCapture
+    from speculators_train.target import load_target
+
+    recipe = load_recipe(make_recipe(tmp_path, SOURCES, generation=VLLM))
+    capture = VllmCapture(recipe, load_target(recipe.target, weights=False), rank=1, local_rank=0)  # not started
+    overrides = capture.engine.env[-1]
+    assert {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(LAUNCHER_VARIABLES)
+    assert all(overrides[name] is None for name in LAUNCHER_VARIABLES)
+    assert capture.spool == (recipe.hidden_states_dir / ".vllm-rank001").resolve()
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    with vllm._environment(1, None, False, {"RANK": None, "MASTER_PORT": None, "CUDA_VISIBLE_DEVICES": "2,3"}):
+    with vllm._environment(1, None, False, {**overrides, "CUDA_VISIBLE_DEVICES": "2,3"}):
         assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert os.environ["RANK"] == "1" and os.environ["MASTER_PORT"] == "29500"
@@ -141,3 +152,26 @@ def test_kill_9_during_vllm_capture_resumes_to_the_same_shards(tmp_path, capture
             for key in ("aux_hidden_states", "hidden_state"):
                 assert relative_error(a[key], b[key]) < 1e-3, (a["id"], key)
     shutil.rmtree(out)
+
+
+@pytest.mark.slow
+def test_two_nodes_each_capture_with_an_engine_of_their_own(tmp_path, states):
+    """The README's multi-node `generate` with `generation.engine: vllm`: each launcher's rank starts its own vLLM
+    engine and writes its own shards; together they hold every record with the states one transformers process
+    captures."""
+    from .test_distributed import two_nodes
+
+    recipe = make_recipe(tmp_path, SOURCES, generation=VLLM)
+    two_nodes("generate", recipe)
+    out = tmp_path / "run" / "hidden_states"
+    assert validate(out) == [] and read_manifest(out)["identity"]["world_size"] == 2
+    files = {p.name for p in (out / "train").glob("*.safetensors")}
+    assert any("-r000-" in f for f in files) and any("-r001-" in f for f in files)
+    for split in ("train", "held_out"):
+        one = {s["id"]: s for s in HiddenStateShards(states, split)}
+        both = {s["id"]: s for s in HiddenStateShards(out, split)}
+        assert both.keys() == one.keys()
+        for key, sample in both.items():
+            assert torch.equal(sample["input_ids"], one[key]["input_ids"])
+            for name in ("aux_hidden_states", "hidden_state"):
+                assert relative_error(sample[name], one[key][name]) < 1e-3, (key, name)

@@ -64,7 +64,6 @@ class VllmCapture:
     """One vLLM engine on the target's HF folder for this rank, opened once for all of its chunks."""
 
     def __init__(self, recipe: Recipe, target: Target, rank: int, local_rank: int) -> None:
-        self.num_layers = target.num_layers
         # absolute: vLLM's workers write there from their own working directory
         self.spool = (recipe.hidden_states_dir / f".vllm-rank{rank:03d}").resolve()
         # The layers are the recipe's; a family that reads fewer takes a subset of what is captured.
