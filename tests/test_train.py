@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from speculators_train.errors import UserError
+from speculators_train.hidden_states.shards import HiddenStateShards
 from speculators_train.recipe import load_recipe
 from speculators_train.training.trainer import Trainer
 
@@ -106,7 +107,9 @@ def assert_resumed_on_the_same_curve(clean: Path, resumed: Path) -> None:
 def two_ranks(recipe: Path) -> None:
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "speculators_train"]
-    result = subprocess.run([*torchrun, "train", str(recipe)], cwd=REPO, env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        [*torchrun, "train", str(recipe)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -176,6 +179,27 @@ def test_deepspeed_zero_on_two_cpu_ranks_matches_ddp_and_resumes_exactly(
     assert resumed.keys() == full.keys()
     for step in range(4, max(full) + 1):
         assert resumed[step] == pytest.approx(full[step], rel=1e-6), f"step {step}"
+
+
+def held_out_metrics(run: Path) -> dict[str, float]:
+    lines = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in lines if any(k.startswith("val/") for k in r)][-1]
+    return {k: v for k, v in last.items() if k.startswith("val/")}
+
+
+def test_zero3_validates_ranks_with_uneven_held_out_batches_like_one_process(tmp_path, states):
+    """Under ZeRO-3 a forward is a collective: with one sample a batch, rank 0 has two held-out batches and rank 1
+    one, so rank 1 repeats its batch (or both would hang) and drops its metrics (or its sample would count twice)."""
+    budget = {"max_steps": 2, "eval_every_steps": 2}
+    one = run_recipe(tmp_path / "one", states, training={**budget, "batch_size": 2})
+    run_python(CLI, ["train", one], cwd=REPO).check_returncode()
+    three = {**budget, "batch_size": 1, "deepspeed": {"zero_stage": 3}}
+    two_ranks(run_recipe(tmp_path / "zero3", states, training=three))
+    assert len(HiddenStateShards(states, "held_out")) == 3  # 2 on rank 0, 1 on rank 1
+    expected, got = held_out_metrics(tmp_path / "one" / "run"), held_out_metrics(tmp_path / "zero3" / "run")
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
 def test_best_checkpoint_survives_pruning_and_loads(tmp_path, states):

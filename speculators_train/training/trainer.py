@@ -414,14 +414,15 @@ class Trainer:
         sums = dict.fromkeys(self.metric_keys, zero)
         reshard = self.cfg.fsdp.reshard_after_forward if self.cfg.fsdp is not None else True
         starts = list(range(0, len(held_out), self.cfg.batch_size))
+        counted = len(starts)
         if self._zero3:
             # A ZeRO-3 forward is a collective: a rank with fewer batches repeats its last one, and drops its metrics.
-            starts += [starts[-1]] * (int(self._max_across_ranks(len(starts))) - len(starts))
+            starts += [starts[-1]] * (int(self._max_across_ranks(counted)) - counted)
         with fsdp.gathered(self.model, reshard):
             for n, k in enumerate(starts):
                 batch = collate([held_out[i] for i in range(k, min(k + self.cfg.batch_size, len(held_out)))])
                 _, metrics = self.model(self._to_device(batch))
-                if k in starts[:n]:
+                if n >= counted:
                     continue
                 for key, value in metrics.items():
                     sums[key] = sums[key] + value
