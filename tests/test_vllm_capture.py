@@ -81,9 +81,14 @@ def vllm_states(captured):
     return captured[0]
 
 
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest difference of a row, as a share of that row's largest magnitude in `b`."""
-    return ((a - b).abs().amax(-1) / b.abs().amax(-1).clamp_min(1e-6)).max().item()
+def assert_same_states(a: dict, b: dict) -> None:
+    """Sample `a` holds `b`'s tokens and its states up to float rounding of another kernel library (measured up to
+    1e-5 of a row's largest magnitude); a wrong layer or an offset of one position is off by the row's whole scale."""
+    assert a["id"] == b["id"] and torch.equal(a["input_ids"], b["input_ids"]), (a["id"], b["id"])
+    for key in ("aux_hidden_states", "hidden_state"):
+        assert a[key].shape == b[key].shape, (a["id"], key)
+        error = ((a[key] - b[key]).abs().amax(-1) / b[key].abs().amax(-1).clamp_min(1e-6)).max().item()
+        assert error < 1e-3, (a["id"], key, error)
 
 
 @pytest.mark.slow
@@ -101,13 +106,8 @@ def test_vllm_states_equal_the_transformers_states_in_the_same_shards(vllm_state
         pairs = list(zip(HiddenStateShards(vllm_states, split), HiddenStateShards(states, split), strict=True))
         assert pairs, split
         for a, b in pairs:
-            assert a["id"] == b["id"]
-            assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
-            # fp32 rounding of another kernel library (measured up to 1e-5 of a row's scale); a wrong layer or an
-            # offset of one position is off by the row's whole scale.
-            for key in ("aux_hidden_states", "hidden_state"):
-                assert a[key].shape == b[key].shape, key
-                assert relative_error(a[key], b[key]) < 1e-3, (a["id"], key)
+            assert_same_states(a, b)
+            assert torch.equal(a["loss_mask"], b["loss_mask"])
     assert not list(vllm_states.glob(".vllm*")), "the engine's spool was left behind"
 
 
@@ -148,9 +148,7 @@ def test_kill_9_during_vllm_capture_resumes_to_the_same_shards(tmp_path, capture
         pairs = list(zip(HiddenStateShards(out, split), HiddenStateShards(vllm_states, split), strict=True))
         assert len({a["id"] for a, _ in pairs}) == len(pairs)
         for a, b in pairs:
-            assert a["id"] == b["id"] and torch.equal(a["input_ids"], b["input_ids"])
-            for key in ("aux_hidden_states", "hidden_state"):
-                assert relative_error(a[key], b[key]) < 1e-3, (a["id"], key)
+            assert_same_states(a, b)
     shutil.rmtree(out)
 
 
@@ -172,6 +170,4 @@ def test_two_nodes_each_capture_with_an_engine_of_their_own(tmp_path, states):
         both = {s["id"]: s for s in HiddenStateShards(out, split)}
         assert both.keys() == one.keys()
         for key, sample in both.items():
-            assert torch.equal(sample["input_ids"], one[key]["input_ids"])
-            for name in ("aux_hidden_states", "hidden_state"):
-                assert relative_error(sample[name], one[key][name]) < 1e-3, (key, name)
+            assert_same_states(sample, one[key])
