@@ -35,6 +35,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from speculators_train.data.chat import Chat
 from speculators_train.data.conversations import SkipReport
 from speculators_train.data.mix import Splits
 from speculators_train.data.render import render_many
@@ -62,8 +63,8 @@ def _forward_batches(recipe: Recipe, target: Target, splits: Splits) -> Iterator
     data = recipe.data
     for chunk in chunks(splits.train, recipe.generation.samples_per_shard):
         skips = SkipReport()
-        rendered = render_many(chunk, target.tokenizer, data.max_length, data.overlong, skips)
-        samples = [s for s in rendered if s is not None]
+        chat = Chat(target.tokenizer, data.chat_template_kwargs)
+        samples = [s for group in render_many(chunk, chat, data.max_length, data.overlong, skips) for s in group]
         max_tokens = recipe.generation.max_tokens_per_batch
         for _, lengths, ids, attention in generator.padded_batches(samples, max_tokens, target.device):
             yield ids, attention, sum(lengths)

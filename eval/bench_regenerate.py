@@ -25,6 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from speculators_train.data.chat import Chat
 from speculators_train.data.regenerate import regenerate, regenerate_llamacpp, regenerate_vllm
 from speculators_train.data.splits import load_splits
 from speculators_train.errors import run_script
@@ -71,25 +72,26 @@ def main() -> None:
     regen = recipe.data.regenerate.model_copy(update={"enabled": True, "max_turns": 1})
     convs = load_splits(recipe).train[: args.records]
     target = load_target(recipe.target)
-    tok, max_length, seed = target.tokenizer, recipe.data.max_length, recipe.seed
+    chat, tok = Chat(target.tokenizer, recipe.data.chat_template_kwargs), target.tokenizer
+    max_length, seed = recipe.data.max_length, recipe.seed
     gguf = gguf_file(recipe.target)
     if gguf is None:
         parser.error(f"{recipe.target.name_or_path}: not a GGUF target; llama.cpp has nothing to serve")
     rows, texts = [], {}
 
-    regenerate(convs[:4], target.model, tok, regen, max_length, seed)  # warm-up
+    regenerate(convs[:4], target.model, chat, regen, max_length, seed)  # warm-up
     with target.packed(recipe.generation.max_tokens_per_batch):  # as the generator regenerates
         cpu, wall = _cpu(), time.perf_counter()
-        texts["transformers"] = _replies(regenerate(convs, target.model, tok, regen, max_length, seed))
+        texts["transformers"] = _replies(regenerate(convs, target.model, chat, regen, max_length, seed))
         wall, cpu = time.perf_counter() - wall, _cpu() - cpu
         rows.append(_row(f"transformers b{regen.batch_size}", wall, cpu, texts["transformers"], tok))
 
     for slots in [int(s) for s in args.slots.split(",")]:
         cfg = regen.model_copy(update={"batch_size": slots, "engine": "llama.cpp"})
-        regenerate_llamacpp(convs[:4], tok, cfg, max_length, seed, gguf)  # warm-up (and first build, if needed)
+        regenerate_llamacpp(convs[:4], chat, cfg, max_length, seed, gguf)  # warm-up (and first build, if needed)
         cpu, wall = _cpu(), time.perf_counter()
         server_cpu: list[float] = []
-        out = regenerate_llamacpp(convs, tok, cfg, max_length, seed, gguf, server_cpu=server_cpu)
+        out = regenerate_llamacpp(convs, chat, cfg, max_length, seed, gguf, server_cpu=server_cpu)
         wall, cpu = time.perf_counter() - wall, _cpu() - cpu + sum(server_cpu)
         texts[f"llama.cpp x{slots}"] = _replies(out)
         rows.append(_row(f"llama.cpp x{slots}", wall, cpu, texts[f"llama.cpp x{slots}"], tok))
@@ -105,9 +107,9 @@ def main() -> None:
 
         model = Path(resolve_source(recipe.target)[0])
         with Engine(model, max_model_len=max_length, seed=seed) as engine:
-            regenerate_vllm(convs[:4], tok, regen, max_length, seed, model, engine)  # warm-up
+            regenerate_vllm(convs[:4], chat, regen, max_length, seed, model, engine)  # warm-up
             cpu, wall = engine_cpu(), time.perf_counter()
-            out = regenerate_vllm(convs, tok, regen, max_length, seed, model, engine)
+            out = regenerate_vllm(convs, chat, regen, max_length, seed, model, engine)
             wall, cpu = time.perf_counter() - wall, engine_cpu() - cpu
             texts["vllm"] = _replies(out)
             rows.append(_row("vllm", wall, cpu, texts["vllm"], tok))

@@ -32,14 +32,26 @@ def _recipe(args: argparse.Namespace) -> Recipe:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    """Read the recipe's data mix and report counts and skips, without touching the target."""
-    from speculators_train.data.splits import load_splits
+    """Read the recipe's data mix, render it with the target's chat template (its tokenizer only, no weights) and
+    report record, sample and token counts and every skip."""
+    from speculators_train.data.splits import load_splits, rendered_counts
+    from speculators_train.target import load_tokenizer
 
-    splits = load_splits(_recipe(args))
-    counts = {"train": len(splits.train), "held_out": len(splits.held_out), "skipped": splits.report.counts}
+    recipe = _recipe(args)
+    splits = load_splits(recipe)
+    rendered = rendered_counts(recipe, splits, load_tokenizer(recipe.target))
+    counts = {
+        "train": len(splits.train),
+        "held_out": len(splits.held_out),
+        **{key: {split: rendered[split][key] for split in rendered} for key in ("samples", "tokens", "loss_tokens")},
+        "skipped": splits.report.counts,
+    }
     print(to_json(counts))
     for line in splits.report.lines():
         console.print(line, markup=False, highlight=False)
+    for split, numbers in rendered.items():
+        if numbers["records"] and not numbers["samples"]:
+            raise UserError(splits.report.nothing_left(str(recipe.source_path), split, numbers["records"]))
     return 0
 
 

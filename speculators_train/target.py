@@ -337,6 +337,17 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     )
 
 
+def load_tokenizer(cfg: TargetConfig):
+    """The target's tokenizer (with its chat template) alone: what rendering the data needs."""
+    from transformers import AutoTokenizer
+
+    source, _ = resolve_source(cfg)
+    try:
+        return AutoTokenizer.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except Exception as exc:
+        raise UserError(f"could not load the tokenizer of target {cfg.name_or_path!r}: {describe(exc)}") from None
+
+
 def load_target(cfg: TargetConfig, weights: bool = True) -> Target:
     """Load tokenizer and model on the configured device/dtype; eval mode, no gradients.
 

@@ -38,9 +38,10 @@ QUESTIONS = [
 
 
 def chat(target, text: str) -> list[int]:
+    from speculators_train.data.chat import Chat
     from speculators_train.verify.suites import chat_ids
 
-    return chat_ids(target.tokenizer, [{"role": "user", "content": text}])
+    return chat_ids(Chat(target.tokenizer), [{"role": "user", "content": text}])
 
 
 @pytest.fixture(scope="session")
@@ -131,6 +132,7 @@ def fit(target, tmp: Path, family: str = "eagle3", **settings):
     drafts on that prompt."""
     import torch
 
+    from speculators_train.data.chat import Chat
     from speculators_train.families import get
     from speculators_train.recipe import load_recipe
     from speculators_train.target import TargetHead
@@ -140,7 +142,7 @@ def fit(target, tmp: Path, family: str = "eagle3", **settings):
     sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]
     recipe = load_recipe(make_recipe(tmp, sources, draft={"family": family}))
     fam = get(family)
-    prompt = chat_ids(target.tokenizer, PROMPT)
+    prompt = chat_ids(Chat(target.tokenizer), PROMPT)
     with torch.no_grad():
         full = target.model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)
     freq = torch.bincount(full[0], minlength=target.vocab_size).float()

@@ -248,7 +248,7 @@ def test_a_family_that_reads_no_target_state_gets_tokens_and_masks_alone(generat
     chunk = load_splits(recipe).train[:4]
     alone = process_chunk(medusa, target, chunk, 0).samples
     full = process_chunk(recipe, target, chunk, 0).samples
-    assert alone and [sorted(s) for s in alone] == [["id", "input_ids", "loss_mask"]] * len(full)
+    assert alone and [sorted(s) for s in alone] == [["id", "input_ids", "loss_mask", "record"]] * len(full)
     assert [s["input_ids"].tolist() for s in alone] == [s["input_ids"].tolist() for s in full]
 
 

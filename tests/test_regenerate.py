@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from speculators_train.data.chat import Chat
 from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.conversations import Conversation
 from speculators_train.data.regenerate import regenerate
@@ -33,7 +34,7 @@ def test_multi_turn_regeneration_conditions_on_regenerated_turns(target):
         "x:1",
     )
     cfg = RegenerateConfig(enabled=True, max_new_tokens=8, batch_size=1)
-    (out,) = regenerate([conv], target.model, target.tokenizer, cfg, max_length=512, seed=0)
+    (out,) = regenerate([conv], target.model, Chat(target.tokenizer), cfg, max_length=512, seed=0)
     first = greedy_reply(target, [conv.messages[0]], 8)
     assert out.messages[1] == {"role": "assistant", "content": first}
     second = greedy_reply(target, [conv.messages[0], out.messages[1], conv.messages[2]], 8)
@@ -47,7 +48,7 @@ def test_prompt_past_max_length_ends_the_conversation(target):
     long = Conversation("t:2", ({"role": "user", "content": "word " * 100}, {"role": "assistant", "content": "x"}), "y")
     short = Conversation("t:3", ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}), "z")
     cfg = RegenerateConfig(enabled=True, max_new_tokens=4, batch_size=2)
-    out = regenerate([long, short], target.model, target.tokenizer, cfg, max_length=32, seed=0)
+    out = regenerate([long, short], target.model, Chat(target.tokenizer), cfg, max_length=32, seed=0)
     assert [m["role"] for m in out[0].messages] == ["user"], "no reply generated past max_length"
     assert out[1].messages[1]["content"] != "x"
 
@@ -66,7 +67,7 @@ def test_replies_before_any_user_turn_are_dropped_not_a_crash(target):
         "w",
     )
     cfg = RegenerateConfig(enabled=True, max_new_tokens=4, batch_size=1)
-    (out,) = regenerate([conv], target.model, target.tokenizer, cfg, max_length=512, seed=0)
+    (out,) = regenerate([conv], target.model, Chat(target.tokenizer), cfg, max_length=512, seed=0)
     assert [m["role"] for m in out.messages] == ["system", "user", "assistant"]
     assert out.messages[2]["content"] != "ORIGINAL"
 
@@ -75,7 +76,7 @@ def test_replies_before_any_user_turn_are_dropped_not_a_crash(target):
 def test_max_turns_keeps_only_the_first_exchanges(target):
     turns = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "A"}) * 3
     cfg = RegenerateConfig(enabled=True, max_new_tokens=4, batch_size=1, max_turns=1)
-    (out,) = regenerate([Conversation("t:5", turns, "v")], target.model, target.tokenizer, cfg, 512, seed=0)
+    (out,) = regenerate([Conversation("t:5", turns, "v")], target.model, Chat(target.tokenizer), cfg, 512, 0)
     assert [m["role"] for m in out.messages] == ["user", "assistant"]
 
 
@@ -108,7 +109,7 @@ def test_llamacpp_regeneration_answers_each_turn_from_the_served_gguf(target, tm
         for i, question in enumerate(["Name a fruit.", "What is 2 + 2?", "Name a colour.", "Say hello."])
     ]
     cfg = RegenerateConfig(enabled=True, max_new_tokens=12, batch_size=4, engine="llama.cpp")
-    served = regenerate_llamacpp(convs, tok, cfg, max_length=512, seed=0, gguf=gguf_file(TargetConfig()))
+    served = regenerate_llamacpp(convs, Chat(tok), cfg, max_length=512, seed=0, gguf=gguf_file(TargetConfig()))
     for conv, regenerated in zip(convs, served, strict=True):
         assert [m["role"] for m in regenerated.messages] == ["user", "assistant", "user", "assistant"]
         for turn in (1, 3):
@@ -117,7 +118,7 @@ def test_llamacpp_regeneration_answers_each_turn_from_the_served_gguf(target, tm
     # One slot: batched slots fork from a lone request at near-ties even on F32 (seen on a CPU without AVX-512).
     f32 = f32_gguf(Path(resolve_source(TargetConfig())[0]))
     one = cfg.model_copy(update={"batch_size": 1})
-    out = regenerate_llamacpp(convs, tok, one, max_length=512, seed=0, gguf=f32)
+    out = regenerate_llamacpp(convs, Chat(tok), one, max_length=512, seed=0, gguf=f32)
     with Server(f32, [], tmp_path / "one.log") as server:
         for conv, regenerated in zip(convs, out, strict=True):
             assert [m["role"] for m in regenerated.messages] == ["user", "assistant", "user", "assistant"]

@@ -2,6 +2,7 @@
 
 import pytest
 
+from speculators_train.data.chat import Chat
 from speculators_train.data.conversations import Conversation, SkipReport, normalize_record
 from speculators_train.data.mix import load_mix
 from speculators_train.data.render import render, render_many
@@ -35,31 +36,42 @@ def test_mask_covers_exactly_assistant_content_and_end_of_turn_sharegpt(tokenize
     report = SkipReport()
     checked = 0
     for conv in convs:
-        sample = render(conv, tokenizer, 100_000, "truncate", report)
-        if sample is None:
+        samples = render(conv, Chat(tokenizer), 100_000, "truncate", report)
+        if not samples:
             continue
+        (sample,) = samples  # ChatML renders a conversation as its turns' prompts and replies: one sample
         assert masked_runs(sample, tokenizer) == expected_runs(conv, "<|im_end|>"), conv.origin
         checked += 1
     assert checked >= 35
 
 
+def one(samples: list):
+    """The single sample of a record (ChatML: one per conversation), None for none."""
+    assert len(samples) <= 1
+    return samples[0] if samples else None
+
+
 def test_truncated_samples_are_prefixes_of_the_whole_in_one_batched_call(tokenizer, tmp_path):
-    """Truncation stops rendering turns past the cut; ids and mask must still be exactly the whole's prefix."""
+    """Truncation stops rendering turns past the cut; ids and mask must still be exactly the whole's prefix, and every
+    token the whole trains on within the first max_length must be in it (what follows the last trained turn, the
+    start of a user turn past the cut, is left out)."""
     mix = tmp_path / "mix.yaml"
     mix.write_text(f"sources: [{{name: sg, path: '{SHAREGPT}', max_records: 60}}]\n")
     convs = load_mix(mix, 0.0).train
-    whole = render_many(convs, tokenizer, 100_000, "truncate", SkipReport())
+    chat = Chat(tokenizer)
+    whole = [one(s) for s in render_many(convs, chat, 100_000, "truncate", SkipReport())]
     multi_turn_cuts = 0
     for max_length in (48, 200, 700):
-        cut = render_many(convs, tokenizer, max_length, "truncate", SkipReport())
+        cut = [one(s) for s in render_many(convs, chat, max_length, "truncate", SkipReport())]
         for conv, full, part in zip(convs, whole, cut, strict=True):
             if full is None or part is None:
                 assert part is None or full is not None, conv.origin
                 continue
             n = len(part.input_ids)
-            assert n == min(max_length, len(full.input_ids)), conv.origin
+            assert n <= min(max_length, len(full.input_ids)), conv.origin
             assert part.input_ids.tolist() == full.input_ids[:n].tolist(), conv.origin
             assert part.loss_mask.tolist() == full.loss_mask[:n].tolist(), conv.origin
+            assert not full.loss_mask[n:max_length].any(), conv.origin
             multi_turn_cuts += n < len(full.input_ids) and len(conv.messages) > 2
     assert multi_turn_cuts >= 20
 
@@ -76,7 +88,7 @@ def test_mask_excludes_header_system_and_user_ultrachat_style(tokenizer):
         ],
     }
     conv = normalize_record(record, "uc", "uc.jsonl:1", SkipReport())
-    sample = render(conv, tokenizer, 4096, "truncate", SkipReport())
+    (sample,) = render(conv, Chat(tokenizer), 4096, "truncate", SkipReport())
     assert masked_runs(sample, tokenizer) == ["Blue.<|im_end|>", "Green, or red.<|im_end|>"]
     header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     ids = sample.input_ids.tolist()
@@ -93,11 +105,12 @@ def test_over_long_samples_are_truncated_or_dropped(tokenizer, overlong):
         "t:1", ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 300}), "x:1"
     )
     report = SkipReport()
-    sample = render(conv, tokenizer, 64, overlong, report)
+    samples = render(conv, Chat(tokenizer), 64, overlong, report)
     if overlong == "truncate":
+        (sample,) = samples
         assert len(sample.input_ids) == 64 and sample.loss_mask[-1] and report.total == 0
     else:
-        assert sample is None and report.counts["overlong"] == 1 and "x:1" in report.examples["overlong"][0]
+        assert samples == [] and report.counts["overlong"] == 1 and "x:1" in report.examples["overlong"][0]
 
 
 def test_no_assistant_tokens_left_after_truncation_is_a_counted_skip(tokenizer):
@@ -105,7 +118,7 @@ def test_no_assistant_tokens_left_after_truncation_is_a_counted_skip(tokenizer):
         "t:2", ({"role": "user", "content": "long " * 200}, {"role": "assistant", "content": "ok"}), "y:3"
     )
     report = SkipReport()
-    assert render(conv, tokenizer, 32, "truncate", report) is None
+    assert render(conv, Chat(tokenizer), 32, "truncate", report) == []
     assert report.counts == {"no_assistant_tokens_in_max_length": 1}
 
 
@@ -115,8 +128,8 @@ def test_template_error_is_a_counted_skip(tokenizer):
             raise ValueError("Conversation roles must alternate user/assistant")
 
     report = SkipReport()
-    conv = Conversation("t:3", ({"role": "assistant", "content": "x"},), "z:9")
-    assert render(conv, Strict(), 32, "truncate", report) is None
+    conv = Conversation("t:3", ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}), "z:9")
+    assert render(conv, Chat(Strict()), 32, "truncate", report) == []
     assert report.counts == {"chat_template_error": 1} and "alternate" in report.examples["chat_template_error"][0]
 
 
@@ -157,14 +170,16 @@ def test_long_records_tokenised_by_their_head_match_the_whole(tokenizer, tmp_pat
     heads = []
     head_tokens = render_module._head_tokens
     monkeypatch.setattr(render_module, "_head_tokens", lambda *a: heads.append(a[1]) or head_tokens(*a))
-    whole = render_many(convs, tokenizer, 10**9, "truncate", SkipReport())
+    chat = Chat(tokenizer)
+    whole = [one(s) for s in render_many(convs, chat, 10**9, "truncate", SkipReport())]
     assert not heads and all(s is not None for s in whole), "the whole path: one batched call, no heads"
     compared = 0
     for max_length in (48, 127, 300):
         heads.clear()
-        cut = render_many(convs, tokenizer, max_length, "truncate", SkipReport())
-        dropped = render_many(convs, tokenizer, max_length, "drop", SkipReport())
-        assert len(heads) == 2 * len(convs), "every record here must take the head path"
+        cut = [one(s) for s in render_many(convs, chat, max_length, "truncate", SkipReport())]
+        dropped = [one(s) for s in render_many(convs, chat, max_length, "drop", SkipReport())]
+        # a record whose prompt alone fills max_length has no sample text to tokenise; the others take the head
+        assert len(heads) >= len(convs) // 2, "records here must take the head path"
         for conv, full, part, kept in zip(convs, whole, cut, dropped, strict=True):
             assert kept is None, conv.id  # all far over max_length
             if part is None:

@@ -148,6 +148,7 @@ def test_medusa_export_writes_full_vocabulary_heads_and_reads_back_the_trained_d
 @pytest.fixture(scope="module")
 def reference(target, tmp_path_factory):
     """vLLM's own target-only greedy output for the fitted prompt (one engine start for the module)."""
+    from speculators_train.data.chat import Chat
     from speculators_train.engines.vllm import Engine
     from speculators_train.recipe import TargetConfig
     from speculators_train.sources import resolve_source
@@ -155,7 +156,7 @@ def reference(target, tmp_path_factory):
 
     from .conftest import PROMPT
 
-    prompt = chat_ids(target.tokenizer, PROMPT)
+    prompt = chat_ids(Chat(target.tokenizer), PROMPT)
     hf_dir = resolve_source(TargetConfig())[0]
     with Engine(hf_dir) as engine:
         out = engine.generate([prompt], MAX_NEW, 0.0, 1.0, [0])
@@ -236,6 +237,7 @@ def test_vllm_serves_each_family_from_the_printed_command_with_the_targets_outpu
 def test_vllm_regeneration_answers_each_turn_as_vllm_answers_the_prompt_alone(target, reference):
     """`data.regenerate.engine: vllm`: the reply to a turn is what vLLM answers that rendered prompt alone, and a
     later turn is answered after the regenerated earlier one."""
+    from speculators_train.data.chat import Chat
     from speculators_train.data.config import RegenerateConfig
     from speculators_train.data.conversations import Conversation
     from speculators_train.data.regenerate import regenerate_vllm
@@ -254,7 +256,7 @@ def test_vllm_regeneration_answers_each_turn_as_vllm_answers_the_prompt_alone(ta
         "x",
     )
     cfg = RegenerateConfig(enabled=True, max_new_tokens=MAX_NEW, engine="vllm")
-    (out,) = regenerate_vllm([conv], target.tokenizer, cfg, max_length=512, seed=0, model=hf_dir)
+    (out,) = regenerate_vllm([conv], Chat(target.tokenizer), cfg, max_length=512, seed=0, model=hf_dir)
     assert [m["role"] for m in out.messages] == ["user", "assistant", "user", "assistant"]
     assert out.messages[1]["content"] == target.tokenizer.decode(alone, skip_special_tokens=True).strip()
     assert out.messages[3]["content"] not in ("", "ORIGINAL TWO")

@@ -52,4 +52,10 @@ class DataConfig(Section):
     held_out_fraction: float = Field(
         0.02, ge=0.0, lt=1.0, description="Share of record ids held out (decided by id hash, never trained on)."
     )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Passed to the target's chat template wherever it renders (training data, regeneration prompts, "
+        "verify prompts), as a server's `chat_template_kwargs`: e.g. {enable_thinking: false} for a Qwen3 target "
+        "served without reasoning.",
+    )
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)

@@ -28,7 +28,7 @@ class Conversation:
     """A record after normalisation: `id` is `<source>:<record id>` and decides the held-out split."""
 
     id: str
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, str], ...]  # role, content, and `reasoning` on replies that carry it
     origin: str  # file:line or dataset#index, for messages about this record
 
 
@@ -64,6 +64,14 @@ class SkipReport:
     def from_dict(cls, data: dict[str, Any]) -> SkipReport:
         return cls(Counter(data.get("counts", {})), dict(data.get("examples", {})), list(data.get("notes", [])))
 
+    def nothing_left(self, where: str, split: str, records: int) -> str:
+        """The refusal for a split whose `records` records gave no sample: why each was skipped."""
+        why = "; ".join(self.lines()) or "no skip was recorded"
+        hint = ""
+        if self.counts.get("chat_template_error"):
+            hint = " (the target's chat template refused them: check data.chat_template_kwargs and the roles)"
+        return f"{where}: the {split} split's {records} records gave no sample{hint}: {why}"
+
     def lines(self) -> list[str]:
         out = [f"note: {note}" for note in self.notes]
         for reason, count in sorted(self.counts.items()):
@@ -94,6 +102,20 @@ def _content_text(content: Any) -> tuple[str | None, str]:
     if len(texts) < len(content) and not text.strip():
         return None, "non_text_content"
     return text, ""
+
+
+# Where OpenAI-style records keep a reply's reasoning, and chat templates read it (Qwen3 and DeepSeek
+# `reasoning_content`, vLLM's `reasoning`, gpt-oss's `thinking`); a normalised message holds it as `reasoning`.
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
+
+
+def _reasoning(turn: dict[str, Any]) -> str | None:
+    """A reply's reasoning text, if the record carries one as a string (anything else is not reasoning we can use)."""
+    for key in REASONING_FIELDS:
+        value = turn.get(key)
+        if isinstance(value, str) and value.strip():
+            return value
+    return None
 
 
 def _record_id(obj: dict[str, Any], messages: list[dict[str, str]]) -> str | None:
@@ -146,10 +168,11 @@ def normalize_record(obj: Any, source: str, origin: str, report: SkipReport) -> 
             what = "has only non-text parts" if reason == "non_text_content" else f"field={text_key} is not text"
             report.skip(reason, f"{origin} turn {n} {what}")
             return None
-        if _SURROGATE.search(text):
+        reasoning = _reasoning(turn) if role == "assistant" else None
+        if _SURROGATE.search(text) or (reasoning and _SURROGATE.search(reasoning)):
             report.skip("lone_surrogate", f"{origin} turn {n}")
             return None
-        messages.append({"role": role, "content": text})
+        messages.append({"role": role, "content": text, **({"reasoning": reasoning} if reasoning else {})})
     if not any(m["role"] == "assistant" for m in messages):
         report.skip("no_assistant_turn", origin)
         return None

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from speculators_train.data.chat import Chat
 from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.conversations import Conversation
 from speculators_train.errors import UserError
@@ -53,13 +54,14 @@ def check_replying_tokenizer(source: str, tokenizer) -> None:
 
 @torch.inference_mode()
 def regenerate(
-    conversations: list[Conversation], model, tokenizer, cfg: RegenerateConfig, max_length: int, seed: int
+    conversations: list[Conversation], model, chat: Chat, cfg: RegenerateConfig, max_length: int, seed: int
 ) -> list[Conversation]:
     """Same conversations with every assistant turn produced by the target in `transformers` (seeded, so reruns
     match), batched `cfg.batch_size` prompts of similar length at a time."""
     generator_seed = torch.Generator().manual_seed(seed)
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator_seed)))
     device = next(model.parameters()).device
+    tokenizer = chat.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if tokenizer.pad_token is None:  # e.g. Llama-3 tokenizers ship without one; batching needs it
         tokenizer.pad_token = tokenizer.eos_token
@@ -84,15 +86,15 @@ def regenerate(
                 top_k=None,
                 pad_token_id=pad_id,
             )
-            texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            texts += _decoded(tokenizer, out[:, enc["input_ids"].shape[1] :].tolist(), pad_id)
         return texts
 
-    return _regenerate(conversations, tokenizer, cfg, max_length, replies)
+    return _regenerate(conversations, chat, cfg, max_length, replies)
 
 
 def regenerate_llamacpp(
     conversations: list[Conversation],
-    tokenizer,
+    chat: Chat,
     cfg: RegenerateConfig,
     max_length: int,
     seed: int,
@@ -106,6 +108,7 @@ def regenerate_llamacpp(
     from speculators_train.engines.llamacpp.server import Server
 
     slots = cfg.batch_size
+    tokenizer = chat.tokenizer
     log = Path(tempfile.gettempdir()) / f"speculators_train-regenerate-{os.getpid()}.log"
     with Server(gguf, [], log, ctx=slots * max_length, slots=slots) as server:
 
@@ -113,13 +116,13 @@ def regenerate_llamacpp(
             prompt, cap = request
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
             tokens = server.generate(ids, cap, cfg.temperature, cfg.top_p, seed + index)
-            return tokenizer.decode(tokens, skip_special_tokens=True)
+            return _decoded(tokenizer, [tokens])[0]
 
         def replies(requests: list[tuple[str, int]]) -> list[str]:
             with ThreadPoolExecutor(slots) as pool:
                 return list(pool.map(reply, range(len(requests)), requests))
 
-        out = _regenerate(conversations, tokenizer, cfg, max_length, replies)
+        out = _regenerate(conversations, chat, cfg, max_length, replies)
         if server_cpu is not None:
             server_cpu.append(server.cpu_seconds())
         return out
@@ -127,7 +130,7 @@ def regenerate_llamacpp(
 
 def regenerate_vllm(
     conversations: list[Conversation],
-    tokenizer,
+    chat: Chat,
     cfg: RegenerateConfig,
     max_length: int,
     seed: int,
@@ -140,32 +143,38 @@ def regenerate_vllm(
     `engines.vllm.Engine` on that folder may be passed in (benchmarks keep its start-up out of the figures)."""
     from speculators_train.engines import vllm
 
+    tokenizer = chat.tokenizer
+
     def replies(requests: list[tuple[str, int]]) -> list[str]:
         ids = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt, _ in requests]
         caps = [cap for _, cap in requests]
         seeds = [seed + i for i in range(len(requests))]
         done = engine.generate(ids, caps, cfg.temperature, cfg.top_p, seeds).completions
-        return [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in done]
+        return _decoded(tokenizer, [c.tokens for c in done])
 
     if engine is not None:
-        return _regenerate(conversations, tokenizer, cfg, max_length, replies)
+        return _regenerate(conversations, chat, cfg, max_length, replies)
     # On a GPU, vLLM shares the device with the transformers copy that captures the hidden states.
     share = 0.5 if torch.cuda.is_available() else None
     with vllm.Engine(model, max_model_len=max_length, seed=seed, gpu_memory_utilization=share) as engine:
-        return _regenerate(conversations, tokenizer, cfg, max_length, replies)
+        return _regenerate(conversations, chat, cfg, max_length, replies)
+
+
+def _decoded(tokenizer, sequences: list[list[int]], pad_id: int | None = None) -> list[str]:
+    """Generated ids as text with their special tokens (padding dropped): `Chat.as_message` reads the template's
+    own markers (a channel header, a think block, the end-of-turn token) out of them."""
+    return [tokenizer.decode([t for t in ids if t != pad_id or pad_id is None]) for ids in sequences]
 
 
 def _regenerate(
-    conversations: list[Conversation], tokenizer, cfg: RegenerateConfig, max_length: int, replies: Replies
+    conversations: list[Conversation], chat: Chat, cfg: RegenerateConfig, max_length: int, replies: Replies
 ) -> list[Conversation]:
     """Turns are regenerated in order, each conditioned on the already-regenerated earlier turns."""
+    tokenizer = chat.tokenizer
     messages = [_first_turns(_without_leading_replies(list(c.messages)), cfg.max_turns) for c in conversations]
     for turn in range(max((len(m) for m in messages), default=0)):
         todo = [i for i, m in enumerate(messages) if turn < len(m) and m[turn]["role"] == "assistant"]
-        prompts = {
-            i: tokenizer.apply_chat_template(messages[i][:turn], tokenize=False, add_generation_prompt=True)
-            for i in todo
-        }
+        prompts = {i: chat.render(messages[i][:turn], True) for i in todo}
         lengths = {i: len(tokenizer(prompts[i], add_special_tokens=False)["input_ids"]) for i in todo}
         for i in todo:
             if lengths[i] >= max_length:  # past max_length the rest is truncated away anyway: end it here
@@ -174,7 +183,7 @@ def _regenerate(
         fits = sorted((i for i in todo if lengths[i] < max_length), key=lambda i: (lengths[i], i))
         requests = [(prompts[i], min(cfg.max_new_tokens, max_length - lengths[i])) for i in fits]
         for i, text in zip(fits, replies(requests), strict=True):
-            reply = {"role": "assistant", "content": text.strip()}
+            reply = chat.as_message(text)
             messages[i] = [*messages[i][:turn], reply, *messages[i][turn + 1 :]]
     # A conversation cut before its first assistant turn is counted as a skip when rendered.
     return [Conversation(c.id, tuple(m), c.origin) for c, m in zip(conversations, messages, strict=True)]

@@ -1,67 +1,109 @@
-"""Render conversations with the target's chat template and build the assistant-only loss mask.
+"""Render conversations with the target's chat template and build the loss mask of what the model writes.
 
-The mask covers each assistant turn's content and its end-of-turn token, not the role header:
+Each assistant turn is placed after the prompt an engine sends for it, as the engine tokenises it, followed by the
+reply's own tokens (`data/chat.py`: P_i, then the reply as the template writes it). The mask covers the reply's own
+text and its end-of-turn token, never the role header, system or user text, nor template text the model is not
+asked to write:
 
     <|im_start|>assistant\\n  Hello there<|im_end|>  \\n
-    \\____ header: 0 ______/  \\______ 1 _________/  0
+    \\____ prompt: 0 ______/  \\______ 1 _________/  0
 
-Spans come from rendering message prefixes (so any template works, no per-model regexes) and are
-mapped to tokens through the fast tokenizer's offsets.
+Turns share one sample while each turn's prompt tokens start with the sample's tokens through the previous reply's
+end-of-turn token (ChatML: one sample per conversation); a template that renders history differently from how it
+was generated (Qwen3's think blocks, Mistral's moving system message), or a tokenizer that merges a prompt's last
+characters with the reply's first ones, starts a new sample at that turn. So every trained token follows exactly
+the tokens an engine would have in context. A reply's character spans map to its tokens through the fast
+tokenizer's offsets: a token is trained on when it overlaps the span (its first token may carry the space before
+it).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from speculators_train.data.chat import Chat, EmptyReply
 from speculators_train.data.conversations import Conversation, SkipReport
 
-# A rendered text longer than this many head windows (`max_length + 1` tokens of the longest length) is tokenised by
-# its head alone; shorter ones whole, in the one batched call.
+# A text longer than this many head windows (`max_length + 1` tokens of the longest length) is tokenised by its head
+# alone; shorter ones whole.
 LONG_TEXT_FACTOR = 4
 
 
 @dataclass
 class Sample:
-    id: str
+    id: str  # the record's id for its first sample, `<record id>#<n>` for the n-th after it
     input_ids: torch.Tensor  # [T] int64
-    loss_mask: torch.Tensor  # [T] bool, True on assistant content + end-of-turn tokens
+    loss_mask: torch.Tensor  # [T] bool, True on what the model writes: replies + end-of-turn tokens
+    record: str = ""  # the record's id (what decides the held-out split); the sample's id when empty
+
+    def __post_init__(self) -> None:
+        self.record = self.record or self.id
 
 
-def assistant_spans(conv: Conversation, tokenizer, text: str, limit: int) -> list[tuple[int, int]]:
-    """Character spans of assistant content (+ end-of-turn), header excluded, in the rendered `text`.
+@dataclass
+class _Tokens:
+    """A sample being built: its ids, mask, and whether every text in it was tokenised whole (not by its head)."""
 
-    Turns that start past character `limit` (the first token truncation drops) are not rendered: on long
+    ids: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    complete: bool = True
+    through: list[int] = field(default_factory=list)  # ids through the last reply's end-of-turn token
+
+
+def conversation_tokens(conv: Conversation, chat: Chat, max_length: int) -> tuple[list[_Tokens], str]:
+    """The conversation's samples as ids and masks (before truncation), and why there are none when there are none.
+
+    Turns whose prompt alone fills `max_length` tokens are not rendered: they would be truncated away, and on long
     conversations the prefix renders are quadratic in the turn count."""
+    tokenizer = chat.tokenizer
+    need = max_length + 1  # one token past the cut says where the cut falls
     messages = list(conv.messages)
-    spans = []
-    prev_end = 0
+    out: list[_Tokens] = []
+    current: _Tokens | None = None
+    reason = "no_reply_after_a_prompt"
     for i, message in enumerate(messages):
-        if prev_end > limit:
+        if message["role"] != "assistant":
+            continue
+        try:
+            reply = chat.reply(messages, i)
+        except EmptyReply:  # nothing to train on in this turn; it stays context for the next
+            continue
+        prompt_ids, _, prompt_whole = _tokens(tokenizer, reply.prompt, need)
+        if not prompt_whole or len(prompt_ids) >= max_length:
+            reason = "no_assistant_tokens_in_max_length"
             break
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        if not text.startswith(through):
-            raise ValueError("chat template renders a prefix of the conversation differently from the whole")
-        if message["role"] == "assistant":
-            end = len(through.rstrip())
-            before = (
-                tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else None
-            )
-            if before is not None and text.startswith(before):
-                start = len(before)
-            else:
-                # The template adds text of its own before this turn (e.g. a default system prompt when
-                # the conversation opens with the assistant): find the content inside this turn instead.
-                content = message["content"].strip()
-                start = text.rfind(content, prev_end, end) if content else end
-                if start < 0:
-                    raise ValueError(f"assistant turn {i} not found in the rendered template")
-            if end > start:
-                spans.append((start, end))
-        prev_end = len(through)
-    return spans
+        reply_ids, offsets, reply_whole = _tokens(tokenizer, reply.reply, need)
+        reply_mask = [end > reply.mask_start and start < reply.mask_end for start, end in offsets]
+        chained = current is not None and prompt_ids[: len(current.through)] == current.through
+        if chained:
+            kept = current.mask[: len(current.through)]
+            mask = kept + [False] * (len(prompt_ids) - len(kept)) + reply_mask
+        else:
+            if current is not None:
+                out.append(current)
+            mask = [False] * len(prompt_ids) + reply_mask
+        last = max((t for t, on in enumerate(reply_mask) if on), default=-1)
+        current = _Tokens(
+            prompt_ids + reply_ids,
+            mask,
+            reply_whole and (current.complete if chained else True),
+            prompt_ids + reply_ids[: last + 1],
+        )
+    if current is not None:
+        out.append(current)
+    return out, reason
+
+
+def _tokens(tokenizer, text: str, need: int) -> tuple[list[int], list[tuple[int, int]], bool]:
+    """Ids and offsets of `text` as the tokenizer splits it alone, and whether they are all of them: a text far
+    longer than `need` tokens can span is tokenised by its head (`_head_tokens`), so a 50 MB record costs what a
+    short one does."""
+    if len(text) <= LONG_TEXT_FACTOR * need * _longest_token(tokenizer):
+        return (*_encode(tokenizer, text), True)
+    return _head_tokens(tokenizer, text, need)
 
 
 def _template_error(report: SkipReport, conv: Conversation, exc: Exception) -> None:
@@ -69,38 +111,48 @@ def _template_error(report: SkipReport, conv: Conversation, exc: Exception) -> N
 
 
 def render_many(
-    convs: list[Conversation], tokenizer, max_length: int, overlong: str, report: SkipReport
-) -> list[Sample | None]:
-    """Tokenise conversations (one tokenizer call, which a fast tokenizer spreads over all cores).
-
-    Over-long samples are truncated or dropped by setting; each skip is counted in `report`. A text far longer than
-    `max_length` tokens can span is tokenised by its head alone (`_head_tokens`): a 50 MB record costs the
-    tokenizer what a short one does, not gigabytes of per-token offsets."""
-    texts: list[str | None] = []
+    convs: list[Conversation], chat: Chat, max_length: int, overlong: str, report: SkipReport
+) -> list[list[Sample]]:
+    """Each conversation's samples. Over-long samples are truncated or dropped by setting; a record left with no
+    sample is counted in `report` with the reason."""
+    out: list[list[Sample]] = []
     for conv in convs:
         try:
-            texts.append(tokenizer.apply_chat_template(list(conv.messages), tokenize=False))
+            built, why = conversation_tokens(conv, chat, max_length)
         except Exception as exc:  # jinja raises TemplateError for e.g. non-alternating roles
             _template_error(report, conv, exc)
-            texts.append(None)
-    need = max_length + 1  # one token past the cut says where the cut falls
-    rendered = [t for t in texts if t is not None]
-    long_chars = LONG_TEXT_FACTOR * need * _longest_token(tokenizer) if rendered else 0
-    short = [t for t in rendered if len(t) <= long_chars]
-    encoded = tokenizer(short, add_special_tokens=False, return_offsets_mapping=True) if short else None
-    out: list[Sample | None] = []
-    k = 0
-    for conv, text in zip(convs, texts, strict=True):
-        if text is None:
-            out.append(None)
+            out.append([])
             continue
-        if len(text) <= long_chars:
-            ids, offsets, complete = encoded["input_ids"][k], encoded["offset_mapping"][k], True
-            k += 1
-        else:
-            ids, offsets, complete = _head_tokens(tokenizer, text, need)
-        out.append(_sample(conv, tokenizer, text, ids, offsets, complete, max_length, overlong, report))
+        samples: list[Sample] = []
+        reasons: list[tuple[str, str]] = []
+        for tokens in built:
+            kept = _cut(tokens, max_length, overlong, reasons)
+            if kept is not None:
+                name = conv.id if not samples else f"{conv.id}#{len(samples)}"
+                samples.append(Sample(name, *kept, conv.id))
+        if not samples:  # its first sample's reason, or why it had none
+            reason, detail = reasons[0] if reasons else (why, "")
+            report.skip(reason, f"{conv.origin} ({detail})" if detail else conv.origin)
+        out.append(samples)
     return out
+
+
+def _cut(
+    tokens: _Tokens, max_length: int, overlong: str, reasons: list[tuple[str, str]]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ids, loss mask) of one sample, truncated or dropped past `max_length`; None (with the reason appended to
+    `reasons`) when nothing is left to train on."""
+    ids, mask = tokens.ids, tokens.mask
+    if len(ids) > max_length:
+        if overlong == "drop":
+            size = f"{len(ids)} > {max_length} tokens" if tokens.complete else f"over {max_length} tokens"
+            reasons.append(("overlong", size))
+            return None
+        ids, mask = ids[:max_length], mask[:max_length]
+    if not any(mask):
+        reasons.append(("no_assistant_tokens_in_max_length", ""))
+        return None
+    return torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool)
 
 
 @functools.lru_cache(maxsize=8)
@@ -132,46 +184,6 @@ def _head_tokens(tokenizer, text: str, need: int) -> tuple[list[int], list[tuple
     return ids, offsets, True
 
 
-def _sample(
-    conv: Conversation,
-    tokenizer,
-    text: str,
-    ids: list[int],
-    offsets: list[tuple[int, int]],
-    complete: bool,
-    max_length: int,
-    overlong: str,
-    report: SkipReport,
-) -> Sample | None:
-    """One encoded conversation: truncate or drop, then mask the assistant spans inside what is kept.
-
-    `ids` are all the text's tokens if `complete`, else only its first `max_length + 1` (it is over-long)."""
-    if len(ids) > max_length:
-        if overlong == "drop":
-            size = f"{len(ids)} > {max_length} tokens" if complete else f"over {max_length} tokens, {len(text):,} chars"
-            report.skip("overlong", f"{conv.origin} ({size})")
-            return None
-        ids, limit = ids[:max_length], offsets[max_length][0]
-    else:
-        limit = len(text)
-    try:
-        spans = assistant_spans(conv, tokenizer, text, limit)
-    except Exception as exc:
-        _template_error(report, conv, exc)
-        return None
-    mask = [False] * len(ids)
-    span_index = 0
-    for t, (start, _end) in enumerate(offsets[: len(ids)]):
-        while span_index < len(spans) and start >= spans[span_index][1]:
-            span_index += 1
-        if span_index < len(spans) and start >= spans[span_index][0]:
-            mask[t] = True
-    if not any(mask):
-        report.skip("no_assistant_tokens_in_max_length", conv.origin)
-        return None
-    return Sample(conv.id, torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool))
-
-
-def render(conv: Conversation, tokenizer, max_length: int, overlong: str, report: SkipReport) -> Sample | None:
-    """One conversation; see render_many."""
-    return render_many([conv], tokenizer, max_length, overlong, report)[0]
+def render(conv: Conversation, chat: Chat, max_length: int, overlong: str, report: SkipReport) -> list[Sample]:
+    """One conversation's samples; see render_many."""
+    return render_many([conv], chat, max_length, overlong, report)[0]

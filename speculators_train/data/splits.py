@@ -21,6 +21,27 @@ def load_splits(recipe: Recipe) -> Splits:
     return load_mix(mix_path, recipe.data.held_out_fraction)
 
 
+def rendered_counts(recipe: Recipe, splits: Splits, tokenizer) -> dict[str, dict[str, int]]:
+    """Per split: records, samples, tokens and loss tokens, rendered with the target's chat template as `generate`
+    renders them (the dataset's replies: regeneration would replace them); skips go into `splits.report`."""
+    from speculators_train.data.chat import Chat
+    from speculators_train.data.render import render_many
+
+    data = recipe.data
+    chat = Chat(tokenizer, data.chat_template_kwargs)
+    out = {}
+    for split in SPLITS:
+        records = getattr(splits, split)
+        counts = {"records": len(records), "samples": 0, "tokens": 0, "loss_tokens": 0}
+        for chunk in chunks(records, 256):
+            for group in render_many(chunk, chat, data.max_length, data.overlong, splits.report):
+                counts["samples"] += len(group)
+                counts["tokens"] += sum(len(s.input_ids) for s in group)
+                counts["loss_tokens"] += sum(int(s.loss_mask.sum()) for s in group)
+        out[split] = counts
+    return out
+
+
 def data_fingerprint(splits: Splits) -> str:
     digest = hashlib.sha256()
     for split in SPLITS:

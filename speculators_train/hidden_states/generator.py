@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save
 from tqdm import tqdm
 
+from speculators_train.data.chat import Chat
 from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.conversations import Conversation, SkipReport
 from speculators_train.data.mix import Splits
@@ -63,6 +64,7 @@ def generation_identity(recipe: Recipe, target: Target, splits: Splits, world_si
     """Everything that must match for a rerun to continue the same output instead of mixing two. The engine is
     named only when it is not transformers, so sets made before there was a choice still resume."""
     engine = {"capture_engine": "vllm"} if recipe.generation.engine == "vllm" else {}
+    kwargs = recipe.data.chat_template_kwargs
     return {
         **target.identity(),
         "aux_layer_ids": target.aux_layer_ids,
@@ -76,6 +78,7 @@ def generation_identity(recipe: Recipe, target: Target, splits: Splits, world_si
         "samples_per_shard": recipe.generation.samples_per_shard,
         "world_size": world_size,
         **engine,
+        **({"chat_template_kwargs": kwargs} if kwargs else {}),  # named only when set: older sets still resume
     }
 
 
@@ -142,7 +145,9 @@ def capture(
         final = final.to(dtype).cpu()
         aux = aux.to(dtype).cpu() if aux is not None else None
         for row, (i, n) in enumerate(zip(batch, lengths, strict=True)):
-            out[i] = {"id": samples[i].id, "input_ids": samples[i].input_ids, "loss_mask": samples[i].loss_mask}
+            sample = samples[i]
+            out[i] = {"id": sample.id, "record": sample.record}
+            out[i].update(input_ids=sample.input_ids, loss_mask=sample.loss_mask)
             if aux is not None:
                 out[i]["aux_hidden_states"] = aux[row, :n].clone()
             if keep_final:
@@ -170,23 +175,24 @@ def process_chunk(
     skips = SkipReport()
     spec = spec or recipe_states(recipe, target)
     data, max_tokens = recipe.data, recipe.generation.max_tokens_per_batch
+    chat = Chat(target.tokenizer, data.chat_template_kwargs)
     # One packed copy of the target's weights per chunk (CPU float32, `target.cpu_packed_weights`), for
     # regeneration and capture alike; offline shards and online training both come through here.
     with target.packed(max_tokens) if engine is None else contextlib.nullcontext():
         regen = data.regenerate
         if regen.enabled and regen.engine == "llama.cpp":
             gguf = gguf_file(recipe.target)
-            chunk = regenerate_llamacpp(chunk, target.tokenizer, regen, data.max_length, seed, gguf)
+            chunk = regenerate_llamacpp(chunk, chat, regen, data.max_length, seed, gguf)
         elif regen.enabled and regen.engine == "vllm":
             if regen.model is not None:
                 check_replying_tokenizer(regen.model, target.tokenizer)
             model = Path(regen.model or resolve_source(recipe.target)[0])
-            chunk = regenerate_vllm(chunk, target.tokenizer, regen, data.max_length, seed, model)
+            chunk = regenerate_vllm(chunk, chat, regen, data.max_length, seed, model)
         elif regen.enabled:
             model = replying_model(regen.model, target.model, target.tokenizer) if regen.model else target.model
-            chunk = regenerate(chunk, model, target.tokenizer, regen, data.max_length, seed)
-        rendered = render_many(chunk, target.tokenizer, data.max_length, data.overlong, skips)
-        samples = [s for s in rendered if s is not None]
+            chunk = regenerate(chunk, model, chat, regen, data.max_length, seed)
+        rendered = render_many(chunk, chat, data.max_length, data.overlong, skips)
+        samples = [s for group in rendered for s in group]
         dtype = DTYPES[recipe.generation.storage_dtype]
         if engine is not None:
             return ChunkResult(engine.capture(samples, dtype, spec), skips)
@@ -321,8 +327,11 @@ def _finalize(out_dir: Path, identity: dict[str, Any], splits: Splits, world: in
                     with open_tensors(path, "hidden-state shard") as fh:
                         ids, mask = fh.get_tensor("input_ids"), fh.get_tensor("loss_mask")
                     freq += torch.bincount(ids[mask], minlength=len(freq))
+        records = len(getattr(splits, split))
+        if records and not sum(e["num_samples"] for e in shards):  # train would fail later, for a reason given here
+            raise UserError(skips.nothing_left(str(out_dir), split, records))
         manifest_splits[split] = {
-            "records": len(getattr(splits, split)),
+            "records": records,
             "samples": sum(e["num_samples"] for e in shards),
             "tokens": sum(e["num_tokens"] for e in shards),
             "loss_tokens": sum(e["num_loss_tokens"] for e in shards),

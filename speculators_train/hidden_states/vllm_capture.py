@@ -128,7 +128,12 @@ class VllmCapture:
             if not torch.equal(states["token_ids"].to(torch.int64), sample.input_ids):
                 raise UserError(f"vLLM captured other tokens than record {sample.id!r} holds")
             rows = states["hidden_states"]  # [T, len(layer_ids), H]
-            item: dict[str, Any] = {"id": sample.id, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask}
+            item: dict[str, Any] = {
+                "id": sample.id,
+                "record": sample.record,
+                "input_ids": sample.input_ids,
+                "loss_mask": sample.loss_mask,
+            }
             if columns:
                 item["aux_hidden_states"] = rows[:, columns].reshape(len(rows), -1).to(dtype)
             if spec.final:

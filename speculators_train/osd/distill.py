@@ -334,7 +334,7 @@ class OnlineDistiller:
         conversations = [Conversation(e["id"], tuple(e["messages"]), e["origin"]) for e in entries]
         accepted = []
         for sample in self._samples(conversations):
-            if is_held_out(sample["id"], self.cfg.held_out_fraction):
+            if is_held_out(sample["record"], self.cfg.held_out_fraction):
                 if len(self.held_out) < self.cfg.held_out_records:
                     self.held_out.append(sample)
                 continue

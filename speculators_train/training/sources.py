@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from speculators_train.data.chat import Chat
 from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.render import render_many
 from speculators_train.data.splits import chunk_seed, chunks, data_fingerprint, load_splits
@@ -176,7 +177,8 @@ def token_frequencies(recipe: Recipe, splits, tokenizer, vocab_size: int) -> tor
     freq = torch.zeros(vocab_size, dtype=torch.int64)
     data = recipe.data
     for chunk in chunks(splits.train, 1024):
-        for sample in render_many(chunk, tokenizer, data.max_length, data.overlong, SkipReport()):
-            if sample is not None:
+        chat = Chat(tokenizer, data.chat_template_kwargs)
+        for group in render_many(chunk, chat, data.max_length, data.overlong, SkipReport()):
+            for sample in group:
                 freq += torch.bincount(sample.input_ids[sample.loss_mask], minlength=vocab_size)
     return freq

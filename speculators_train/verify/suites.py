@@ -22,6 +22,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from speculators_train.data.chat import Chat
 from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.conversations import Conversation, SkipReport
 from speculators_train.data.mix import load_mix
@@ -112,10 +113,9 @@ def mt_bench_questions() -> list[dict]:
     return [col[i] for i in range(max(map(len, columns))) for col in columns if i < len(col)]
 
 
-def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """A chat's prompt ids with the generation prompt (a tokenizer may return a list or an encoding)."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+def chat_ids(chat: Chat, messages: list[dict[str, str]]) -> list[int]:
+    """A chat's prompt ids with the generation prompt, as the training data renders its prompts."""
+    return chat.prompt_ids(messages)
 
 
 def first_answers(questions: list[dict], target, recipe: Recipe, max_new_tokens: int, where: Path) -> dict[str, str]:
@@ -133,7 +133,8 @@ def first_answers(questions: list[dict], target, recipe: Recipe, max_new_tokens:
                      f"mt-bench:{q['id']}")
         for q in questions
     ]  # fmt: skip
-    out = regenerate(todo, target.model, target.tokenizer, cfg, recipe.data.max_length, recipe.seed)
+    chat = Chat(target.tokenizer, recipe.data.chat_template_kwargs)
+    out = regenerate(todo, target.model, chat, cfg, recipe.data.max_length, recipe.seed)
     answers = {c.id: c.messages[-1]["content"] for c in out if c.messages[-1]["role"] == "assistant"}
     atomic_write_json(cache, answers)
     return answers
@@ -158,7 +159,7 @@ def load_mt_bench(path: Path, cfg: SuiteConfig, recipe: Recipe, target, wanted: 
                     {"role": "assistant", "content": answers[str(q["id"])]},
                     {"role": "user", "content": q["turns"][1]},
                 ]
-            ids = chat_ids(target.tokenizer, messages)
+            ids = chat_ids(Chat(target.tokenizer, recipe.data.chat_template_kwargs), messages)
             if len(ids) > cfg.max_prompt_tokens:
                 skips.skip(f"prompt over max_prompt_tokens ({cfg.max_prompt_tokens})", f"mt-bench:{q['id']}")
                 continue
@@ -171,6 +172,7 @@ def load_suite(path: Path, recipe: Recipe, target, num_prompts: int | None = Non
     by `target`: anything with `.tokenizer`, `.model` and `.name_or_path`)."""
     cfg = load_yaml_model(path, SuiteConfig, "eval suite")
     tokenizer = target.tokenizer
+    chat = Chat(tokenizer, recipe.data.chat_template_kwargs)
     if not getattr(tokenizer, "chat_template", None):  # every prompt is rendered as the target's chat
         raise UserError(f"target {target.name_or_path}: its tokenizer has no chat template to render {path}'s prompts")
     if cfg.source == "mt-bench":
@@ -203,7 +205,7 @@ def load_suite(path: Path, recipe: Recipe, target, num_prompts: int | None = Non
             continue
         if exclude is not None and exclude.search(first_user):
             continue
-        ids = chat_ids(tokenizer, messages)
+        ids = chat_ids(chat, messages)
         if len(ids) > cfg.max_prompt_tokens:
             skips.skip(f"prompt over max_prompt_tokens ({cfg.max_prompt_tokens})", conv.origin)
             continue
@@ -223,5 +225,6 @@ def answered(suite: Suite, target, recipe: Recipe, max_new_tokens: int | None = 
     length = max_new_tokens or recipe.eval.max_new_tokens or suite.config.max_new_tokens
     cfg = RegenerateConfig(enabled=True, max_new_tokens=length, batch_size=16)
     todo = [Conversation(p.id, (*p.messages, {"role": "assistant", "content": ""}), p.id) for p in suite.prompts]
-    out = regenerate(todo, target.model, target.tokenizer, cfg, recipe.data.max_length, recipe.seed)
+    chat = Chat(target.tokenizer, recipe.data.chat_template_kwargs)
+    out = regenerate(todo, target.model, chat, cfg, recipe.data.max_length, recipe.seed)
     return [c for c in out if c.messages[-1]["role"] == "assistant" and c.messages[-1]["content"]]

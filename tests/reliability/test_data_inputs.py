@@ -328,12 +328,13 @@ MEMORY_PROBE = textwrap.dedent(
     """
     import json, resource, sys, time
     from transformers import AutoTokenizer
+    from speculators_train.data.chat import Chat
     from speculators_train.data.conversations import Conversation, SkipReport
     from speculators_train.data.render import render
     from speculators_train.recipe import TargetConfig
     from speculators_train.sources import resolve_source
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_source(TargetConfig())[0])
+    tokenizer = Chat(AutoTokenizer.from_pretrained(resolve_source(TargetConfig())[0]))
     words = "The quick brown fox, 1234 jumps; over the lazy dog!\\n    Déjà vu 🙂 naïve ## ===".split(" ")
     content = " ".join(words[i % len(words)] for i in range(4_000_000))[: int(sys.argv[1])]
     conv = Conversation("s:big", ({"role": "user", "content": "Summarise."}, {"role": "assistant", "content": content}),
@@ -345,8 +346,8 @@ MEMORY_PROBE = textwrap.dedent(
     out = {}
     for overlong in ("truncate", "drop"):
         report = SkipReport()
-        sample = render(conv, tokenizer, 128, overlong, report)
-        out[overlong] = None if sample is None else len(sample.input_ids), dict(report.counts)
+        samples = render(conv, tokenizer, 128, overlong, report)
+        out[overlong] = len(samples[0].input_ids) if samples else None, dict(report.counts)
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"delta_mb": (peak - before) / 1024, "seconds": seconds, "out": out}))
@@ -366,3 +367,17 @@ def test_20mb_record_renders_within_bounded_memory_and_time():
     assert result["out"] == {"truncate": [128, {}], "drop": [None, {"overlong": 1}]}, result
     assert result["delta_mb"] < 1500, result
     assert result["seconds"] < 20, result
+
+
+# --- records that all render to nothing: `data` and `generate` say why, instead of `train` advising on splits ---
+
+
+@pytest.mark.parametrize("stage", ["data", "generate"])
+def test_a_split_left_without_samples_is_refused_with_the_reasons(tmp_path, capsys, stage):
+    """Every reply is empty, so no record has anything to train on: the stage names the split and the skip counts
+    (before this, `generate` exited 0 with no samples and `train` asked for a larger held-out fraction)."""
+    records = [chat(("user", f"Question {i}?"), ("assistant", ""), id=f"r{i}") for i in range(6)]
+    (tmp_path / "data.jsonl").write_bytes(b"\n".join(line(r) for r in records) + b"\n")
+    recipe = make_recipe(tmp_path, [{"name": "s", "path": "data.jsonl"}])
+    clean_error([stage, recipe], capsys, "split's", "records gave no sample", "no_reply_after_a_prompt")
+    assert not (tmp_path / "run" / "hidden_states" / "manifest.json").exists()

@@ -1,0 +1,418 @@
+"""Tiny random-weight targets of the architectures users serve, built from transformers' own config classes.
+
+Each target is 8 decoder layers, 128 wide, 4 heads, with SmolLM2's tokenizer plus its family's special tokens and a
+chat template written in its family's released style (what each does to the last turn, to reasoning, to the system
+message). Nothing is downloaded: a target is built in a second or two and kept per session. The classes they cover,
+not their names, are what the tests are about: sliding windows, MoE, MLA, composite multimodal configs, soft-capped
+logits, untied and padded heads, a 128k vocabulary, templates that render the last turn differently, and hybrid
+linear attention.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LAYERS, WIDTH, HEADS = 8, 128, 4
+# Wider than transformers' default initialisation, so a random target's logits have clear maxima: greedy identity
+# between call shapes must not hinge on near-ties.
+INIT_RANGE = 0.08
+
+COMMON = {
+    "hidden_size": WIDTH,
+    "intermediate_size": 2 * WIDTH,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": 2,
+    "head_dim": WIDTH // HEADS,
+    "max_position_embeddings": 4096,
+    "initializer_range": INIT_RANGE,
+}
+
+# -- chat templates, each in its family's released style --------------------------------------------------------------
+
+CHATML_DEFAULT_SYSTEM = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{%- if not (message.role == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Qwen3: reasoning kept only on assistant turns after the last user query; the last turn always gets a think block
+# (empty when the message has no reasoning); `enable_thinking=false` puts the empty block into the generation prompt.
+QWEN3 = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- set content = message.content %}{%- set reasoning = '' %}"
+    "{%- if message.reasoning_content is string %}{%- set reasoning = message.reasoning_content %}"
+    "{%- elif '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+# Llama-3.1: a system block with the knowledge cut-off and today's date in every render; content trimmed.
+LLAMA3 = (
+    "{{- bos_token }}"
+    "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content | trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date: December 2023\\n"
+    "Today Date: 26 Jul 2024\\n\\n' + system + '<|eot_id|>' }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+# Mistral v0.3: the system message goes into the user turn only when that turn is the last message; roles must
+# alternate; a reply is trimmed and follows a space.
+MISTRAL = (
+    "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- bos_token }}"
+    "{%- for message in loop_messages %}"
+    "{%- if (message.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('After the optional system message, conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}{%- endif %}"
+    "{%- if message.role == 'user' %}"
+    "{%- if loop.last and system is defined %}{{- '[INST] ' + system + '\\n\\n' + message.content + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + message.content + '[/INST]' }}{%- endif %}"
+    "{%- else %}{{- ' ' + message.content | trim + eos_token }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+# Gemma: no system role (it opens the first user turn), the assistant is "model", roles must alternate.
+GEMMA = (
+    "{{- bos_token }}"
+    "{%- if messages[0].role == 'system' %}{%- set prefix = messages[0].content + '\\n\\n' %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set prefix = '' %}"
+    "{%- set loop_messages = messages %}{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- if (message.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
+    "{%- set role = 'model' if message.role == 'assistant' else message.role %}"
+    "{{- '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + message.content | trim "
+    "+ '<end_of_turn>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+)
+
+# Phi-3: the end-of-sequence token closes a conversation rendered without a generation prompt.
+PHI3 = (
+    "{%- for message in messages %}"
+    "{{- '<|' + message.role + '|>\\n' + message.content + '<|end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- else %}{{- eos_token }}{%- endif %}"
+)
+
+# gpt-oss (harmony): the model writes the channel header; the last reply ends with <|return|>, earlier ones with
+# <|end|>; reasoning (`thinking`) is kept only after the last user message; the system message is the developer's.
+HARMONY = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\\n"
+    "Knowledge cutoff: 2024-06\\n\\nReasoning: medium\\n\\n# Valid channels: analysis, commentary, final. "
+    "Channel must be included for every message.<|end|>' }}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}"
+    "{{- '<|start|>developer<|message|># Instructions\\n\\n' + message.content + '<|end|>' }}"
+    "{%- elif message.role == 'user' %}{{- '<|start|>user<|message|>' + message.content + '<|end|>' }}"
+    "{%- else %}"
+    "{%- if message.thinking and loop.index0 > ns.last_user %}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + '<|end|>' }}{%- endif %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message.content }}"
+    "{%- if loop.last and not add_generation_prompt %}{{- '<|return|>' }}{%- else %}{{- '<|end|>' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+
+DEEPSEEK = (
+    "{{- bos_token }}{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}{{- '<｜User｜>' + message.content }}"
+    "{%- elif message.role == 'assistant' %}{{- '<｜Assistant｜>' + message.content + '<｜end▁of▁sentence｜>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<｜Assistant｜>' }}{%- endif %}"
+)
+
+LLAMA4 = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|header_start|>' + message.role + '<|header_end|>\\n\\n' + message.content | trim + '<|eot|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|header_start|>assistant<|header_end|>\\n\\n' }}{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Template:
+    text: str
+    special: tuple[str, ...]  # tokens the family's tokenizer has and SmolLM2's lacks
+    eos: tuple[str, ...]  # what generation stops at (the first is the tokenizer's eos)
+    bos: str | None = None
+
+
+CHATML = Template(CHATML_DEFAULT_SYSTEM, (), ("<|im_end|>",))
+TEMPLATES = {
+    "chatml": CHATML,
+    "qwen3": Template(QWEN3, ("<think>", "</think>"), ("<|im_end|>", "<|endoftext|>")),
+    "llama3": Template(
+        LLAMA3,
+        ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        ("<|eot_id|>", "<|end_of_text|>"),
+        bos="<|begin_of_text|>",
+    ),
+    "mistral": Template(MISTRAL, ("<s>", "</s>", "[INST]", "[/INST]"), ("</s>",), bos="<s>"),
+    "gemma": Template(
+        GEMMA, ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"), ("<end_of_turn>", "<eos>"), bos="<bos>"
+    ),
+    "phi3": Template(PHI3, ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"), ("<|endoftext|>", "<|end|>")),
+    "harmony": Template(
+        HARMONY,
+        ("<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>", "<|call|>"),
+        ("<|return|>", "<|call|>"),
+    ),
+    "deepseek": Template(
+        DEEPSEEK,
+        ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"),
+        ("<｜end▁of▁sentence｜>",),
+        bos="<｜begin▁of▁sentence｜>",
+    ),
+    "llama4": Template(
+        LLAMA4,
+        ("<|begin_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>"),
+        ("<|eot|>",),
+        bos="<|begin_of_text|>",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One target of the matrix: its transformers model type, config values beside `COMMON`, and template."""
+
+    name: str
+    model_type: str
+    template: str
+    config: dict[str, Any] = field(default_factory=dict)
+    classes: tuple[str, ...] = ()  # what it stands for: sliding window, MoE, MLA, multimodal, ...
+    vocab: int = 49280  # the head's rows: past the tokenizer's ids, as Qwen pads them
+
+
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": WIDTH, "norm_topk_prob": True}
+VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2}
+
+MATRIX = [
+    Arch("llama3", "llama", "llama3", {"tie_word_embeddings": False}, ("128k vocabulary", "untied head"), 128256),
+    Arch("qwen2.5", "qwen2", "chatml", {"tie_word_embeddings": False}, ("attention bias", "padded head")),
+    Arch("qwen3", "qwen3", "qwen3", {"tie_word_embeddings": True}, ("reasoning template", "q/k norm")),
+    Arch("qwen3-moe", "qwen3_moe", "qwen3", {**MOE, "decoder_sparse_step": 1, "mlp_only_layers": []}, ("MoE",)),
+    Arch("mistral", "mistral", "mistral", {"sliding_window": None}, ("system moved into the last user turn",)),
+    Arch(
+        "gemma2",
+        "gemma2",
+        "gemma",
+        {"sliding_window": 16, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+        ("sliding window", "soft-capped logits", "1 + w norm"),
+    ),
+    Arch(
+        "gemma3-text",
+        "gemma3_text",
+        "gemma",
+        {"sliding_window": 16, "layer_types": None},
+        ("sliding window (5 of 6 layers)", "1 + w norm"),
+    ),
+    Arch(
+        "gemma3",
+        "gemma3",
+        "gemma",
+        {"sliding_window": 16},
+        ("multimodal wrapper", "sliding window"),
+    ),
+    Arch("phi3", "phi3", "phi3", {"tie_word_embeddings": False}, ("fused qkv",)),
+    Arch(
+        "gpt-oss",
+        "gpt_oss",
+        "harmony",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16, "intermediate_size": WIDTH},
+        ("MoE", "attention sinks", "sliding window", "harmony template"),
+    ),
+    Arch(
+        "deepseek-v3",
+        "deepseek_v3",
+        "deepseek",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "moe_intermediate_size": WIDTH,
+            "first_k_dense_replace": 1,
+            "kv_lora_rank": 32,
+            "q_lora_rank": 64,
+            "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 32,
+            "head_dim": 16,
+            "num_key_value_heads": HEADS,
+        },
+        ("MLA", "MoE"),
+    ),
+    Arch("qwen2.5-vl", "qwen2_5_vl", "chatml", {"tie_word_embeddings": False}, ("multimodal wrapper", "M-RoPE")),
+    Arch(
+        "llama4",
+        "llama4",
+        "llama4",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "intermediate_size_mlp": 2 * WIDTH,
+            "attention_chunk_size": 16,
+        },
+        ("multimodal wrapper", "MoE", "chunked attention"),
+    ),
+    Arch(
+        "qwen3-next",
+        "qwen3_next",
+        "qwen3",
+        {
+            **MOE,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "shared_expert_intermediate_size": WIDTH,
+            "full_attention_interval": 4,
+        },
+        ("hybrid linear attention",),
+    ),
+]
+BY_NAME = {arch.name: arch for arch in MATRIX}
+
+
+# Image tokens of the multimodal wrappers: (tokens added to the tokenizer, config key -> token).
+IMAGE_TOKENS = {
+    "gemma3": {
+        "boi_token_index": "<start_of_image>",
+        "eoi_token_index": "<end_of_image>",
+        "image_token_index": "<image_soft_token>",
+    },
+    "qwen2_5_vl": {
+        "vision_start_token_id": "<|vision_start|>",
+        "vision_end_token_id": "<|vision_end|>",
+        "image_token_id": "<|image_pad|>",
+        "video_token_id": "<|video_pad|>",
+    },
+    "llama4": {
+        "boi_token_index": "<|image_start|>",
+        "eoi_token_index": "<|image_end|>",
+        "image_token_index": "<|image|>",
+    },
+}
+VISION_CONFIGS = {
+    "gemma3": {**VISION, "image_size": 56, "patch_size": 14},
+    "qwen2_5_vl": {
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 2,
+        "out_hidden_size": WIDTH,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
+    },
+    "llama4": {
+        **VISION,
+        "image_size": 56,
+        "patch_size": 14,
+        "vision_output_dim": 64,
+        "projector_input_dim": 64,
+        "projector_output_dim": 64,
+        "intermediate_layers_indices": [0],
+        "pixel_shuffle_ratio": 0.5,
+    },
+}
+
+
+def base_tokenizer_dir() -> str:
+    """SmolLM2's tokenizer, from the embedded default target (converted once into the cache)."""
+    from speculators_train.sources import TargetConfig, resolve_source
+
+    return resolve_source(TargetConfig())[0]
+
+
+def template_tokenizer(name: str, extra: tuple[str, ...] = ()):
+    """SmolLM2's tokenizer with template `name`'s special tokens (and `extra` ones), end and start tokens, and
+    chat template."""
+    from transformers import AutoTokenizer
+
+    template = TEMPLATES[name]
+    tokenizer = AutoTokenizer.from_pretrained(base_tokenizer_dir())
+    tokenizer.add_special_tokens({"additional_special_tokens": [*template.special, *extra]})
+    tokenizer.eos_token = template.eos[0]
+    if template.bos:
+        tokenizer.bos_token = template.bos
+    tokenizer.chat_template = template.text
+    return tokenizer
+
+
+def build(arch: Arch, out: Path) -> Path:
+    """Write `arch` as a model folder (config, safetensors weights, tokenizer with its chat template) at `out`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    template = TEMPLATES[arch.template]
+    images = IMAGE_TOKENS.get(arch.model_type, {})
+    tokenizer = template_tokenizer(arch.template, tuple(images.values()))
+    assert len(tokenizer) <= arch.vocab, (arch.name, len(tokenizer))
+    special = {
+        "eos_token_id": [tokenizer.convert_tokens_to_ids(t) for t in template.eos],
+        "bos_token_id": tokenizer.bos_token_id,
+        "pad_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    }
+    text = {**COMMON, **arch.config, "vocab_size": arch.vocab, **special}
+    torch.manual_seed(sum(map(ord, arch.name)))
+    if arch.model_type in VISION_CONFIGS:
+        ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in images.items()}
+        extra = {"mm_tokens_per_image": 4} if arch.model_type == "gemma3" else {}
+        tie = {"tie_word_embeddings": text.pop("tie_word_embeddings", False)}
+        config = AutoConfig.for_model(
+            arch.model_type,
+            text_config=text,
+            vision_config=VISION_CONFIGS[arch.model_type],
+            **ids,
+            **extra,
+            **tie,
+            **special,
+        )
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    else:
+        config = AutoConfig.for_model(arch.model_type, **text)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = special["eos_token_id"]
+    model.generation_config.bos_token_id = special["bos_token_id"]
+    model.generation_config.pad_token_id = special["pad_token_id"]
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "matrix.json").write_text(json.dumps({"name": arch.name, "classes": list(arch.classes)}))
+    return out
