@@ -22,13 +22,21 @@ from speculators_train.schema import parse_overrides
 console = Console(stderr=True)
 
 
-def _recipe(args: argparse.Namespace) -> Recipe:
+def _recipe(args: argparse.Namespace, target: bool = True) -> Recipe:
+    """The recipe with the command line's overrides; with `target`, also held to what its family can make for the
+    target (its config read, no weights), so a stage refuses before doing any work."""
     overrides = parse_overrides(args.set)
     if getattr(args, "engine", None):
         overrides["eval.engine"] = args.engine
     if getattr(args, "format", None):  # checked against the draft family's formats when the recipe loads
         overrides["export.format"] = args.format
-    return load_recipe(args.recipe, overrides)
+    recipe = load_recipe(args.recipe, overrides)
+    if target:
+        from speculators_train.target import load_target_config
+
+        if problems := recipe.draft.target_problems(load_target_config(recipe.target)):
+            raise UserError(f"{recipe.source_path}: " + "; ".join(problems))
+    return recipe
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -88,7 +96,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from speculators_train.hidden_states.shards import validate
 
     path = Path(args.recipe)
-    directory = path if path.is_dir() else _recipe(args).hidden_states_dir
+    directory = path if path.is_dir() else _recipe(args, target=False).hidden_states_dir
     problems = validate(directory)
     for problem in problems:
         console.print(f"[red]invalid[/red]: {problem}", highlight=False)

@@ -11,6 +11,7 @@ the recipe's never changes the target everybody shares.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -22,6 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from speculators_train.architectures import model_class, text_config, text_decoder
+from speculators_train.chunks import chunk_rows, chunked
 from speculators_train.errors import UserError
 from speculators_train.loading import describe, open_tensors, reading
 from speculators_train.packed import packed_linears
@@ -80,13 +83,10 @@ class Target:
     _decoder: nn.Module = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        decoder = self.model.get_decoder()
-        if not hasattr(decoder, "layers") or not hasattr(decoder, "embed_tokens"):
-            raise UserError(
-                f"target {self.name_or_path}: {type(decoder).__name__} has no `layers`/`embed_tokens`; "
-                "only decoder-only transformers models are supported"
-            )
-        self._decoder = decoder
+        try:
+            self._decoder = text_decoder(self.model)
+        except UserError as exc:
+            raise UserError(f"target {self.name_or_path}: {exc}") from None
         # Id N (after the last layer) is excluded: engines capture aux states below N only.
         bad = [i for i in self.aux_layer_ids if i >= self.num_layers]
         if bad:
@@ -97,7 +97,12 @@ class Target:
 
     @property
     def config(self):
+        """The model's config: a multimodal target's composite one (its text decoder's: `text_config`)."""
         return self.model.config
+
+    @property
+    def text_config(self):
+        return text_config(self.model.config)
 
     @property
     def num_layers(self) -> int:
@@ -105,7 +110,7 @@ class Target:
 
     @property
     def hidden_size(self) -> int:
-        return self.config.hidden_size
+        return self.text_config.hidden_size
 
     @property
     def vocab_size(self) -> int:
@@ -222,23 +227,17 @@ class Target:
         return softcapped(self.lm_head(self.final_norm(final)), logit_softcap(self.config))
 
 
-# Targets whose final norm is RMSNorm times (1 + w): Gemma stores the weight as an offset from 1.
-OFFSET_NORM_TYPES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
-
-
 def logit_softcap(config) -> float | None:
     """The target's final logit soft-capping (Gemma 2/3: logits = cap * tanh(logits / cap)), None without one.
-    Refuses a head this module does not reproduce (a logit scale, another Gemma variant's head), so a draft is
+    Refuses a head that scales its logits (Cohere, Granite), which this module does not reproduce, so a draft is
     never distilled against logits that are not the target's."""
-    text = config.get_text_config()
-    model_type = getattr(text, "model_type", "")
+    text = text_config(config)
     scales = {key: getattr(text, key, None) for key in ("logit_scale", "logits_scaling")}
     scales = {key: value for key, value in scales.items() if value not in (None, 1, 1.0)}
-    if scales or (model_type.startswith("gemma") and model_type not in OFFSET_NORM_TYPES):
-        detail = f"scales its logits ({scales})" if scales else "has a head of its own"
+    if scales:
         raise UserError(
-            f"target model_type {model_type!r} {detail}: the training head reproduces RMSNorm (Llama, Gemma's "
-            "1 + w) + lm_head with optional soft-capping only"
+            f"target model_type {text.model_type!r} scales its logits ({scales}): the training head reproduces the "
+            "target's final norm + lm_head with optional soft-capping only"
         )
     return getattr(text, "final_logit_softcapping", None) or None
 
@@ -246,6 +245,22 @@ def logit_softcap(config) -> float | None:
 def softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     """cap * tanh(logits / cap), in the order HF computes it; `logits` unchanged without a cap."""
     return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def norm_offset(norm: nn.Module) -> float:
+    """1.0 for a norm that scales by (1 + w) (Gemma, Qwen3-Next store the weight as an offset from 1), 0.0 for one
+    that scales by w: read off the target's own norm module, which a zero weight leaves the identity or zero."""
+    probe = copy.deepcopy(norm).to_empty(device="cpu").float()
+    with torch.no_grad():
+        for param in probe.parameters():
+            param.zero_()
+        out = probe(torch.ones(1, probe.weight.shape[-1]))
+    return 1.0 if out.abs().sum() > 0 else 0.0
+
+
+def head_norm_offset(config) -> float:
+    """`norm_offset` of the final norm of a target with this config (built on the meta device, no weights)."""
+    return norm_offset(text_decoder(meta_model(config)).norm)
 
 
 class TargetHead(nn.Module):
@@ -266,16 +281,13 @@ class TargetHead(nn.Module):
 
     @classmethod
     def from_weights(cls, config, weights: dict[str, torch.Tensor]) -> TargetHead:
-        """From `load_head_weights`' config and tensors, without the model: the norm of the target's family."""
-        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-        softcap = logit_softcap(config)
-        text = config.get_text_config()
-        norm_type = GemmaRMSNorm if text.model_type in OFFSET_NORM_TYPES else LlamaRMSNorm
-        norm = norm_type(text.hidden_size, eps=text.rms_norm_eps)
+        """From `load_head_weights`' config and tensors, without the model: the final norm is a module of the
+        target's own class (Llama's RMSNorm, Gemma's 1 + w, whatever the architecture uses)."""
+        softcap = logit_softcap(config)  # first: a head this module does not reproduce is refused before any work
+        norm = copy.deepcopy(text_decoder(meta_model(config)).norm).to_empty(device="cpu").float()
         with torch.no_grad():
-            norm.weight.copy_(weights["norm"])
+            for name, param in norm.named_parameters():
+                param.copy_(weights[HEAD_NORM_PREFIX + name])
         return cls(norm, weights["lm_head"], softcap)
 
     @classmethod
@@ -286,10 +298,58 @@ class TargetHead(nn.Module):
     def forward(self, final: torch.Tensor) -> torch.Tensor:
         return softcapped(self.lm_head(self.norm(final)), self.softcap)
 
+    def on(self, final: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The target's logits over the ids whose lm_head rows are `weight` only (a draft vocabulary), float32."""
+        normed = self.norm(final.to(self.lm_head.weight.dtype))
+        return softcapped(nn.functional.linear(normed, weight), self.softcap).float()
+
+    @torch.no_grad()
+    def greedy(self, final: torch.Tensor) -> torch.Tensor:
+        """The target's top-1 id over its whole vocabulary [..., T] from pre-norm states [..., T, H], computed over
+        chunks of positions: the full-vocabulary logits of a long sample never exist at once."""
+        flat = final.reshape(-1, final.shape[-2], final.shape[-1]) if final.dim() > 2 else final[None]
+        rows = chunk_rows(flat.shape[0], self.lm_head.weight.shape[0])
+        (ids,) = chunked(lambda y: (self(y.to(self.lm_head.weight.dtype)).argmax(-1),), rows, flat)
+        return ids.reshape(final.shape[:-1])
+
+
+# `load_head_weights` keys: "embed", "lm_head", "norm" (the final norm's weight) and "norm.<param>" for each of the
+# final norm's parameters (its weight again, a bias where it has one).
+HEAD_NORM_PREFIX = "norm."
+
+
+def meta_model(config, trust_remote_code: bool = False) -> nn.Module:
+    """The target's model built from its config on the meta device: its modules, names and tied weights, no
+    memory."""
+    cls = model_class(config, trust_remote_code)
+    with torch.device("meta"):
+        if hasattr(cls, "from_config"):  # an Auto class
+            return cls.from_config(config, trust_remote_code=trust_remote_code)
+        return cls._from_config(config)
+
+
+def _checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
+    """The model's own parameter name for each checkpoint tensor name, by the renamings transformers applies when
+    it loads this model (a multimodal checkpoint's `language_model.model.*` is `model.language_model.*` in the
+    model); names map to themselves where transformers has no renaming."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # a transformers without checkpoint conversion: names are the model's
+        return {key: key for key in keys}
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    wanted = dict(model.state_dict(keep_vars=True))
+    prefix = getattr(model, "base_model_prefix", None)
+    return {key: rename_source_key(key, renamings, converters, prefix, wanted)[0] for key in keys}
+
 
 def load_head_weights(cfg: TargetConfig):
-    """The target's config, embedding, final norm and lm_head, read from its safetensors without
-    building the model: a trainer needs these ~2% of an 8B target's weights, not all 16 GB."""
+    """The target's config, embedding, final norm and lm_head, read from its safetensors without building the
+    model: a trainer needs these ~2% of an 8B target's weights, not all 16 GB. Tensors are found by the model's own
+    module names (through a multimodal wrapper to its text decoder), mapped to the checkpoint's names as
+    transformers maps them when it loads the model."""
     from transformers import AutoConfig
 
     source, _ = resolve_source(cfg)
@@ -300,23 +360,36 @@ def load_head_weights(cfg: TargetConfig):
         local = Path(snapshot_download(source, revision=cfg.revision, allow_patterns=["*.json", "*.safetensors"]))
     with reading(local / "config.json", "target config"):  # a config transformers cannot read, in one line
         config = AutoConfig.from_pretrained(local, trust_remote_code=cfg.trust_remote_code)
+    model = meta_model(config, cfg.trust_remote_code)
+    module_names = {id(module): name for name, module in model.named_modules()}
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    norm = text_decoder(model).norm
+    wanted = {"embed": f"{module_names[id(embed)]}.weight", "lm_head": f"{module_names[id(lm_head)]}.weight"}
+    wanted |= {HEAD_NORM_PREFIX + n: f"{module_names[id(norm)]}.{n}" for n, _ in norm.named_parameters()}
+    tied = lm_head.weight is embed.weight
     weight_map = _weight_map(local)
-    names = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
-    out = {}
-    for key, name in names.items():
-        if key == "lm_head" and getattr(config, "tie_word_embeddings", False):
-            out[key] = out["embed"]
-            continue
-        file_name = weight_map.get(name) if weight_map is not None else "model.safetensors"
-        if file_name is None:
-            raise UserError(f"target {cfg.name_or_path}: tensor {name} is not in {local}/model.safetensors.index.json")
+    files = sorted(set(weight_map.values())) if weight_map is not None else ["model.safetensors"]
+    found: dict[str, tuple[Path, str]] = {}
+    for file_name in files:
         file = local / file_name
         if not file.is_file():
-            raise UserError(f"target {cfg.name_or_path}: tensor {name} not found ({file} is missing)")
+            raise UserError(f"target {cfg.name_or_path}: {file} is missing")
         with open_tensors(file, "target weights") as fh:
-            if name not in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
-                raise UserError(f"target {cfg.name_or_path}: tensor {name} not found in {file}")
-            out[key] = fh.get_tensor(name).float()
+            keys = list(fh.keys())
+        for key, name in _checkpoint_names(model, keys).items():
+            found.setdefault(name, (file, key))
+    out = {}
+    for role, name in wanted.items():
+        if role == "lm_head" and tied:
+            continue
+        if name not in found:
+            raise UserError(f"target {cfg.name_or_path}: no tensor of {local} is the model's {name} ({role})")
+        file, key = found[name]
+        with open_tensors(file, "target weights") as fh:
+            out[role] = fh.get_tensor(key).float()
+    if tied:
+        out["lm_head"] = out["embed"]
+    out["norm"] = out[HEAD_NORM_PREFIX + "weight"]
     return config, out
 
 
@@ -337,6 +410,17 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     )
 
 
+def load_target_config(cfg: TargetConfig):
+    """The target's transformers config alone (no weights): what the engine checks need."""
+    from transformers import AutoConfig
+
+    source, _ = resolve_source(cfg)
+    try:
+        return AutoConfig.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except Exception as exc:
+        raise UserError(f"could not read the config of target {cfg.name_or_path!r}: {describe(exc)}") from None
+
+
 def load_tokenizer(cfg: TargetConfig):
     """The target's tokenizer (with its chat template) alone: what rendering the data needs."""
     from transformers import AutoTokenizer
@@ -349,31 +433,29 @@ def load_tokenizer(cfg: TargetConfig):
 
 
 def load_target(cfg: TargetConfig, weights: bool = True) -> Target:
-    """Load tokenizer and model on the configured device/dtype; eval mode, no gradients.
+    """Load tokenizer and model on the configured device/dtype; eval mode, no gradients. The model is loaded as the
+    class its config names (a multimodal checkpoint as its multimodal class, whose text decoder is the target).
 
     `weights=False` builds the model's structure on the meta device from its config, reading no weights: its
     identity, tokenizer and layer count for a stage where another engine (vLLM) runs the target."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     source, hub_id = resolve_source(cfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
-    if not weights:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-            config = AutoConfig.from_pretrained(source, **kwargs)
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
-        except Exception as exc:
-            raise UserError(f"could not load target {cfg.name_or_path!r}: {describe(exc)}") from None
-        return _target(cfg, model.eval().requires_grad_(False), tokenizer, hub_id, torch.device("meta"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        config = AutoConfig.from_pretrained(source, **kwargs)
+        if not weights:
+            model = meta_model(config, cfg.trust_remote_code)
+            return _target(cfg, model.eval().requires_grad_(False), tokenizer, hub_id, torch.device("meta"))
         # safetensors only, hub ids too: a pickled checkpoint is never unpickled here.
-        model, info = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, use_safetensors=True, output_loading_info=True, **kwargs
+        model, info = model_class(config, cfg.trust_remote_code).from_pretrained(
+            source, config=config, dtype=dtype, use_safetensors=True, output_loading_info=True, **kwargs
         )
+    except UserError:
+        raise
     except Exception as exc:  # a damaged file fails anywhere inside transformers: one line naming the target
         raise UserError(f"could not load target {cfg.name_or_path!r}: {describe(exc)}") from None
     if missing := sorted(info["missing_keys"]):  # transformers would run them at random initial values
@@ -392,7 +474,7 @@ def load_target(cfg: TargetConfig, weights: bool = True) -> Target:
 
 
 def _target(cfg: TargetConfig, model: nn.Module, tokenizer, hub_id: str | None, device: torch.device) -> Target:
-    num_layers = len(model.get_decoder().layers)
+    num_layers = len(text_decoder(model).layers)
     ids = cfg.aux_layer_ids or default_aux_layer_ids(num_layers)
     return Target(
         model=model,

@@ -118,11 +118,29 @@ def test_layers_the_target_does_not_have_are_refused(head_weights):
         new_draft(head_weights, layers=[0, 30])
 
 
+def test_a_cut_config_keeps_each_kept_layers_kind_and_renumbers_layer_id_lists():
+    """Per-layer lists (gpt-oss's `layer_types`, Llama-4's `no_rope_layers` flags) follow the kept layers; lists of
+    layer ids (Llama-4's `moe_layers`, even naming every layer) are renumbered to the cut model's ids."""
+    from transformers import AutoConfig
+
+    from speculators_train.families.draft_model.family import cut_layers
+
+    oss = AutoConfig.for_model("gpt_oss", num_hidden_layers=8, sliding_window=16)
+    kinds = cut_layers(oss, [0, 3]).layer_types
+    assert kinds == [oss.layer_types[0], oss.layer_types[3]] and len(set(kinds)) == 2
+    llama4 = AutoConfig.for_model("llama4_text", num_hidden_layers=8, interleave_moe_layer_step=1, no_rope_layers=None)
+    cut = cut_layers(llama4, [0, 3, 5])
+    assert llama4.moe_layers == list(range(8)) and cut.moe_layers == [0, 1, 2]
+    assert cut.no_rope_layers == [llama4.no_rope_layers[i] for i in (0, 3, 5)] and cut.num_hidden_layers == 3
+    sparse = AutoConfig.for_model("llama4_text", num_hidden_layers=8, interleave_moe_layer_step=2)
+    assert sparse.moe_layers == [1, 3, 5, 7] and cut_layers(sparse, [0, 3, 5]).moe_layers == [1, 2]
+
+
 def test_a_fresh_draft_has_the_asked_shape_its_own_head_and_the_targets_vocabulary(head_weights):
     """`start: fresh` changes only the config keys it names; a misspelt key is refused, not ignored."""
     small = {"num_hidden_layers": 1, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2}
     _, draft = new_draft(head_weights, start="fresh", fresh_config={**small, "num_key_value_heads": 1})
-    cfg = draft.config.llama
+    cfg = draft.config.lm_config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads, cfg.vocab_size) == (1, 128, 1, 49152)
     assert not cfg.tie_word_embeddings
     assert draft.lm.lm_head.weight.data_ptr() != draft.lm.model.embed_tokens.weight.data_ptr()

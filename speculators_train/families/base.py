@@ -55,10 +55,18 @@ class FamilySettings(Section):
     tree_shapes: ClassVar[tuple[str, ...]] = ("dynamic",)  # eval.tree.shape values its proposer grows
     fine_tunes: ClassVar[bool] = True  # whether training.init_from may name a draft of this family
     target_states: ClassVar[TargetStates] = "aux+final"  # what its objective reads, and `generate` stores
+    # Whether the draft has attention layers of its own kind (a Llama or Qwen3 layer beside any target), not the
+    # target's architecture nor none: an engine must then run two kinds of attention over one KV cache.
+    own_attention: ClassVar[bool] = False
 
     def recipe_problems(self, recipe: Any) -> list[str]:
         """Rules that tie this section to other sections of the loaded `Recipe` (not imported here: the recipe
         imports the families); each problem names the keys."""
+        return []
+
+    def target_problems(self, target_config: Any) -> list[str]:
+        """Why this section cannot make a draft for a target with this transformers config (read, without weights,
+        before a stage does any work); each problem names the key and the reason."""
         return []
 
 

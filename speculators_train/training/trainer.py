@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from speculators_train import families
+from speculators_train.architectures import text_config
 from speculators_train.errors import UserError
 from speculators_train.families.base import Family
 from speculators_train.families.drafts import check_fits, latest_checkpoint, load_draft, load_weights, read_pointer
@@ -46,13 +47,14 @@ def initial_draft(
     if not recipe.training.init_from:
         return family.new_draft(recipe.draft, target_config, weights, freq, aux_layer_ids)
     path = recipe.resolve_path(recipe.training.init_from, "training.init_from", directory=True)
-    loaded = load_draft(path, target_config.num_hidden_layers)
+    text = text_config(target_config)
+    loaded = load_draft(path, text.num_hidden_layers)
     if loaded.family is not family:
         raise UserError(
             f"{loaded.path}: a {loaded.family.name} draft, but the recipe trains draft.family {family.name}; "
             f"set draft.family: {loaded.family.name} to fine-tune it"
         )
-    check_fits(loaded, target_config.hidden_size, target_config.vocab_size, target_config.num_hidden_layers)
+    check_fits(loaded, text.hidden_size, text.vocab_size, text.num_hidden_layers)
     reads = list(family.states(loaded.draft.config).aux_layer_ids)
     if reads and reads != list(aux_layer_ids):
         raise UserError(

@@ -32,6 +32,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
+from speculators_train.architectures import draft_layer_values, text_config
 from speculators_train.families.dflash.settings import MAX_BLOCK, MAX_DRAFT_LAYERS
 from speculators_train.families.draft_config import (
     Bounded,
@@ -86,20 +87,9 @@ class DFlashConfig:
     ) -> DFlashConfig:
         """Qwen3 decoder layers shaped like the target's (hidden size, heads, MLP width, RoPE), as speculators builds
         a DFlash draft for any verifier."""
-        text = target_config.get_text_config()
+        text = text_config(target_config)
         layer = Qwen3Config(
-            hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
-            num_attention_heads=text.num_attention_heads,
-            num_key_value_heads=text.num_key_value_heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-            rms_norm_eps=text.rms_norm_eps,
-            max_position_embeddings=text.max_position_embeddings,
-            rope_parameters=getattr(text, "rope_parameters", None),
-            vocab_size=text.vocab_size,
-            hidden_act=text.hidden_act,
-            num_hidden_layers=num_layers,
-            tie_word_embeddings=False,
+            **draft_layer_values(target_config), num_hidden_layers=num_layers, tie_word_embeddings=False
         ).to_dict()
         for key in FILE_KEYS:
             layer.pop(key, None)
@@ -261,10 +251,12 @@ class DFlashDraft(nn.Module):
         context: list[KV],
         visible: torch.Tensor | None,
         proposing: int | None = None,
+        logits: bool = True,
     ) -> torch.Tensor:
         """Draft-vocab logits [B, n, P, D] of the first P = `proposing` (default: all) mask slots of n blocks of
         `size` slots: anchors [B, n] (tokens and positions), every layer's context keys from `context`, seen where
-        `visible` [B, n, L] (None: all). Slot 0, the anchor, proposes nothing and gets no logits."""
+        `visible` [B, n, L] (None: all). Slot 0, the anchor, proposes nothing and gets no logits. Without `logits`:
+        the slots' outputs through the final norm [B, n, P, H] (a loss applies the head by chunks)."""
         batch, n = anchor_tokens.shape
         ids = torch.full((batch, n, size), self.config.mask_token_id, device=anchor_tokens.device)
         ids[..., 0] = anchor_tokens
@@ -276,10 +268,16 @@ class DFlashDraft(nn.Module):
                 h = checkpoint(layer, h, k, v, visible, cos, sin, use_reentrant=False)
             else:
                 h = layer(h, k, v, visible, cos, sin)
-        return self.lm_head(self.norm(h[:, :, 1 : 1 + (proposing or size - 1)]))
+        normed = self.norm(h[:, :, 1 : 1 + (proposing or size - 1)])
+        return self.lm_head(normed) if logits else normed
 
     def training_forward(
-        self, tokens: torch.Tensor, aux: torch.Tensor, anchors: torch.Tensor, proposing: int | None = None
+        self,
+        tokens: torch.Tensor,
+        aux: torch.Tensor,
+        anchors: torch.Tensor,
+        proposing: int | None = None,
+        logits: bool = True,
     ) -> torch.Tensor:
         """Logits [B, n, P, D] of the first P mask slots (default: all) of the blocks anchored at `anchors` [B, n]
         of sequences `tokens` [B, L] whose target states are `aux` [B, L, A*H_target] (state t at position t): each
@@ -288,4 +286,5 @@ class DFlashDraft(nn.Module):
         positions = torch.arange(length, device=tokens.device).expand(tokens.shape[0], -1)
         visible = positions[:, None, :] < anchors[:, :, None]
         context = self.context(aux, positions)
-        return self.blocks(tokens.gather(1, anchors), anchors, self.config.block_size, context, visible, proposing)
+        size = self.config.block_size
+        return self.blocks(tokens.gather(1, anchors), anchors, size, context, visible, proposing, logits)

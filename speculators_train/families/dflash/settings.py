@@ -36,6 +36,7 @@ class Settings(FamilySettings):
     loss: Divergence = Field("ce", description="ce (soft cross-entropy, DFlash's) or another divergence.")
 
     formats: ClassVar[dict[str, str]] = {"speculators": "formats:DFlashFormat"}
+    own_attention: ClassVar[bool] = True  # Llama/Qwen3 decoder layers of its own
 
     def recipe_problems(self, recipe: Any) -> list[str]:
         problems = []

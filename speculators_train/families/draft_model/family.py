@@ -4,44 +4,111 @@ as a plain model folder."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from speculators_train.architectures import model_class, text_config, text_decoder
 from speculators_train.errors import UserError
 from speculators_train.families.base import Family
 from speculators_train.families.draft_model.model import DraftModelConfig, StandaloneDraft, checked_config, model_config
 from speculators_train.families.draft_model.objective import DraftModelObjective
 from speculators_train.families.draft_model.proposer import DraftModelProposer
 from speculators_train.families.draft_model.settings import Settings
+from speculators_train.loading import describe
 from speculators_train.target import NO_STATES, StateSpec, Target, TargetHead
 
 
-def starting_model(settings: Settings, target_dir: str) -> nn.Module:
-    """The LM a new draft copies: the target cut to `settings.layers`, a random model of the target's architecture
-    (`fresh`), or the model `settings.start` names, whose tokenizer must be the target's (draft ids are verified as
-    target ids)."""
+def starting_model(settings: Settings, target_config: Any) -> nn.Module:
+    """The LM a new draft copies: the target's text decoder cut to `settings.layers`, a random model of the
+    target's text architecture (`fresh`), or the model `settings.start` names, whose tokenizer must be the target's
+    (draft ids are verified as target ids). The first two are of the target's own model type and layer types."""
+    target_dir = target_config._name_or_path
     if settings.start == "fresh":
-        config = AutoConfig.from_pretrained(target_dir)
+        config = copy.deepcopy(text_config(target_config))
         for key, value in settings.fresh_config.items():
             if key == "vocab_size" or not hasattr(config, key):
                 raise UserError(f"draft.fresh_config.{key}: not a setting of the target's {config.model_type} config")
             setattr(config, key, value)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # the target's pattern of layer types, cycled over a draft deeper than the target
+        pattern = [i % text_config(target_config).num_hidden_layers for i in range(config.num_hidden_layers)]
+        config = cut_layers(text_config(target_config), pattern, config)
+        return AutoModelForCausalLM.from_config(_causal(config), dtype=torch.float32)
     if settings.start == "target_layers":
-        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-        n = model.config.num_hidden_layers
-        if max(settings.layers) >= n:
-            raise UserError(f"draft.layers {settings.layers}: the target has {n} layers")
-        model.model.layers = nn.ModuleList(model.model.layers[i] for i in settings.layers)
-        model.config.num_hidden_layers = len(settings.layers)
-        return model
+        return target_layers(target_config, settings.layers)
     mine, theirs = AutoTokenizer.from_pretrained(settings.start), AutoTokenizer.from_pretrained(target_dir)
     if mine.get_vocab() != theirs.get_vocab():
         raise UserError(f"draft.start {settings.start!r}: its tokenizer is not the target's")
-    return AutoModelForCausalLM.from_pretrained(settings.start, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(settings.start, dtype=torch.float32, use_safetensors=True)
+
+
+def cut_layers(text: Any, keep: list[int], config: Any = None) -> Any:
+    """A copy of `config` (default: the text config `text`) for a model of `text`'s layers `keep`, in order: every
+    per-layer list (`layer_types` and its kin) cut to those layers, every list of layer ids renumbered."""
+    n = text.num_hidden_layers
+    out = copy.deepcopy(config if config is not None else text)
+    for key, value in text.to_dict().items():
+        if not isinstance(value, list) or key.endswith("_token_id") or key == "architectures":
+            continue
+        # A list of layer ids (Llama-4's `moe_layers`) is strictly increasing, even when it names every layer; a
+        # per-layer list of ints (its `no_rope_layers` flags) is not.
+        ids = all(isinstance(v, int) and 0 <= v < n for v in value) and value == sorted(set(value))
+        if key.endswith("layers") and ids:
+            setattr(out, key, [keep.index(v) for v in value if v in keep])
+        elif len(value) == n and key != "rope_parameters":
+            setattr(out, key, [value[i] for i in keep])
+    out.num_hidden_layers = len(keep)
+    return out
+
+
+def _causal(config: Any) -> Any:
+    """`config` if transformers has a causal LM of its type, else a refusal naming the type."""
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(
+            f"the target's text decoder ({type(config).__name__}) has no causal-LM class in transformers, so a "
+            "draft of its own architecture cannot be built (nor served by an engine as a draft model): set "
+            "draft.start to a small causal LM with the target's tokenizer (e.g. Qwen2.5-0.5B-Instruct for "
+            "Qwen2.5-VL)"
+        )
+    return config
+
+
+def target_layers(target_config: Any, keep: list[int]) -> nn.Module:
+    """A causal LM of the target's text architecture holding the target's layers `keep`, its embedding, final norm
+    and lm_head (from the target's safetensors, a multimodal wrapper's language model included)."""
+    text = text_config(target_config)
+    if max(keep) >= text.num_hidden_layers:
+        raise UserError(f"draft.layers {keep}: the target has {text.num_hidden_layers} layers")
+    config = _causal(cut_layers(text, keep))
+    source = model_class(target_config).from_pretrained(
+        target_config._name_or_path, config=target_config, dtype=torch.float32, use_safetensors=True
+    )
+    decoder = text_decoder(source)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    into = text_decoder(model)
+    state = {}
+    for name, tensor in decoder.state_dict().items():
+        if name.startswith("layers."):
+            index, rest = name[len("layers.") :].split(".", 1)
+            if int(index) not in keep:
+                continue
+            name = f"layers.{keep.index(int(index))}.{rest}"
+        state[name] = tensor
+    try:
+        into.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise UserError(
+            f"draft.layers {keep}: a {config.model_type} model of those layers does not hold their weights (the "
+            f"target mixes layer structures, e.g. dense and MoE layers, that the cut config describes otherwise): "
+            f"{describe(exc)}"
+        ) from None
+    with torch.no_grad():
+        model.get_output_embeddings().weight.copy_(source.get_output_embeddings().weight)
+    return model
 
 
 class DraftModelFamily(Family):
@@ -65,8 +132,8 @@ class DraftModelFamily(Family):
         aux_layer_ids: list[int],
     ) -> StandaloneDraft:
         """A copy of the starting LM with its own (untied) output layer; the vocabulary is the target's whole one."""
-        start = starting_model(settings, target_config._name_or_path)
-        vocab = target_config.get_text_config().vocab_size
+        start = starting_model(settings, target_config)
+        vocab = text_config(target_config).vocab_size
         if start.config.vocab_size != vocab:
             raise UserError(f"draft.start: {start.config.vocab_size} ids, the target has {vocab}")
         draft = StandaloneDraft(DraftModelConfig(model_config(start.config), target_vocab_size=vocab))
@@ -95,8 +162,9 @@ class DraftModelFamily(Family):
         return DraftModelProposer(draft)
 
     def card_rows(self, draft: StandaloneDraft, fmt: str, k: int) -> list[tuple[str, str]]:
-        cfg = draft.config.llama
+        cfg = draft.config.lm_config
         return [
+            ("architecture", f"{type(draft.lm).__name__} ({cfg.model_type})"),
             ("target states read", "none: it reads tokens, with its own KV cache"),
             ("layers / hidden size", f"{cfg.num_hidden_layers} / {cfg.hidden_size}"),
             ("vocabulary", f"the target's {cfg.vocab_size} ids"),

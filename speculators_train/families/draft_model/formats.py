@@ -1,6 +1,7 @@
 """The format engines load a standalone draft from: a plain model folder, as `save_pretrained` writes it.
 
-    config.json         the draft LM's LlamaConfig (architectures ["LlamaForCausalLM"], tie_word_embeddings false)
+    config.json         the draft LM's config (the target's text model type, architectures ["<Type>ForCausalLM"],
+                        tie_word_embeddings false)
     model.safetensors   model.embed_tokens, model.layers.*, model.norm, lm_head (transformers' names)
     tokenizer files     the target's, with its chat template (`export` writes them beside every format)
 
@@ -15,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from speculators_train.engines.llamacpp.converter import OUTTYPES, convert
 from speculators_train.engines.llamacpp.server import serve_command
 from speculators_train.families.base import ExportFormat
-from speculators_train.families.draft_model.model import DraftModelConfig, StandaloneDraft, checked_config, lm_values
+from speculators_train.families.draft_model.model import StandaloneDraft, checked_config, lm_values
 from speculators_train.families.format_common import (
     export_tensors,
     load_checked,
@@ -29,12 +31,24 @@ from speculators_train.families.format_common import (
 )
 from speculators_train.loading import reading
 
-ARCHITECTURE = "LlamaForCausalLM"
 PREFIX = "lm."  # the module's names are the LM's under `lm`
 
 
-def folder_config(config: DraftModelConfig, dtype: str) -> dict[str, Any]:
-    return {**config.model_config, "architectures": [ARCHITECTURE], "torch_dtype": dtype}
+def folder_config(draft: StandaloneDraft, dtype: str) -> dict[str, Any]:
+    return {**draft.config.model_config, "architectures": [type(draft.lm).__name__], "torch_dtype": dtype}
+
+
+def is_model_folder(config: dict[str, Any]) -> bool:
+    """A plain causal-LM folder: one `*ForCausalLM` architecture of a model type transformers has one for, and no
+    key of a speculators draft."""
+    architectures = config.get("architectures")
+    return (
+        isinstance(architectures, list)
+        and len(architectures) == 1
+        and str(architectures[0]).endswith("ForCausalLM")
+        and config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        and "speculators_model_type" not in config
+    )
 
 
 def load_folder(path: Path, config: dict[str, Any]) -> StandaloneDraft:
@@ -52,7 +66,7 @@ class ModelFolderFormat(ExportFormat):
     engines = "vLLM (`method: draft_model`), SGLang (`STANDALONE`), llama.cpp (`-md`, after its converter)"
 
     def detect(self, config: dict[str, Any]) -> bool:
-        return config.get("architectures") == [ARCHITECTURE] and config.get("model_type") == "llama"
+        return is_model_folder(config)
 
     def read(self, path: Path, config: dict[str, Any], target_num_layers: int) -> tuple[StandaloneDraft, bool]:
         return load_folder(path, config), True
@@ -60,7 +74,7 @@ class ModelFolderFormat(ExportFormat):
     def write(
         self, draft: StandaloneDraft, dtype: str, verifier: str, architectures: list[str], k: int
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        return folder_config(draft.config, dtype), export_tensors(draft, dtype, lambda n: n[len(PREFIX) :])
+        return folder_config(draft, dtype), export_tensors(draft, dtype, lambda n: n[len(PREFIX) :])
 
     def vllm_speculative_config(self, out: Path, k: int) -> dict[str, Any]:
         return {"model": str(out), "method": "draft_model", "num_speculative_tokens": k}

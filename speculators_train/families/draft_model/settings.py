@@ -30,6 +30,21 @@ class Settings(FamilySettings):
     vllm_format: ClassVar[str | None] = "hf"  # method: draft_model
     target_states: ClassVar[TargetStates] = "final"  # the target's distribution, through its norm and head
 
+    def target_problems(self, target_config: Any) -> list[str]:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        text = target_config.get_text_config()
+        if self.start in ("target_layers", "fresh") and text.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            return [
+                f"draft.start {self.start!r}: the target's text decoder ({type(text).__name__}) has no causal-LM class "
+                "in transformers, so a draft of its own architecture cannot be built (nor served by an engine as a "
+                "draft model); set draft.start to a small causal LM with the target's tokenizer (e.g. "
+                "Qwen2.5-0.5B-Instruct for Qwen2.5-VL)"
+            ]
+        if self.start == "target_layers" and max(self.layers) >= text.num_hidden_layers:
+            return [f"draft.layers {self.layers}: the target has {text.num_hidden_layers} layers"]
+        return []
+
     def recipe_problems(self, recipe: Any) -> list[str]:
         problems = []
         if self.start == "target_layers" and (min(self.layers) < 0 or self.layers != sorted(set(self.layers))):

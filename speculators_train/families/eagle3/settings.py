@@ -28,6 +28,7 @@ class Settings(FamilySettings):
         "sglang": "formats:SGLangFormat",
         "gguf": "gguf:GGUFFormat",
     }
+    own_attention: ClassVar[bool] = True  # Llama/Qwen3 decoder layers of its own
 
     def recipe_problems(self, recipe: Any) -> list[str]:
         problems = []

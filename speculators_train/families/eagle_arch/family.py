@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from speculators_train.families.base import Family, FamilySettings
 from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
-from speculators_train.target import OFFSET_NORM_TYPES, StateSpec
+from speculators_train.target import StateSpec, head_norm_offset
 
 
 class EagleFamily(Family):
@@ -41,8 +41,7 @@ class EagleFamily(Family):
             draft.t2d.copy_(t2d)
             draft.lm_head.weight.copy_(head["lm_head"][draft_to_target(d2t)])
             # Gemma stores its final norm weight as an offset from 1; the draft's Llama norm multiplies by w.
-            offset = 1.0 if target_config.get_text_config().model_type in OFFSET_NORM_TYPES else 0.0
-            draft.norm.weight.copy_(head["norm"] + offset)
+            draft.norm.weight.copy_(head["norm"] + head_norm_offset(target_config))
         return draft
 
     def states(self, config: Eagle3Config) -> StateSpec:

@@ -37,6 +37,7 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
+from speculators_train.architectures import draft_layer_values, text_config
 from speculators_train.families.draft_config import (
     Bounded,
     Hidden,
@@ -94,31 +95,21 @@ class Eagle3Config:
         norm_before_fc: bool = False,
         norm_output: bool = False,
     ) -> Eagle3Config:
-        """One decoder layer shaped like the target's (hidden size, heads, MLP width, RoPE)."""
+        """One Llama decoder layer shaped like the target's (hidden size, heads, MLP width, RoPE), whatever the
+        target's own layers are: the layer vLLM, SGLang and llama.cpp build an EAGLE-3 draft of."""
+        text = text_config(target_config)
         layer = LlamaConfig(
-            hidden_size=target_config.hidden_size,
-            intermediate_size=target_config.intermediate_size,
-            num_attention_heads=target_config.num_attention_heads,
-            num_key_value_heads=target_config.num_key_value_heads,
-            head_dim=getattr(target_config, "head_dim", None)
-            or target_config.hidden_size // target_config.num_attention_heads,
-            rms_norm_eps=target_config.rms_norm_eps,
-            max_position_embeddings=target_config.max_position_embeddings,
-            rope_parameters=getattr(target_config, "rope_parameters", None),
-            vocab_size=target_config.vocab_size,
-            hidden_act=target_config.hidden_act,
-            num_hidden_layers=1,
-            tie_word_embeddings=False,
+            **draft_layer_values(target_config), num_hidden_layers=1, tie_word_embeddings=False
         ).to_dict()
         for key in ("transformers_version", "dtype", "torch_dtype", "_name_or_path"):
             layer.pop(key, None)
         return cls(
             layer,
-            target_config.hidden_size,
+            text.hidden_size,
             draft_vocab_size,
             list(aux_layer_ids),
             norm_before_residual,
-            target_num_layers=target_config.num_hidden_layers,
+            target_num_layers=text.num_hidden_layers,
             norm_before_fc=norm_before_fc,
             norm_output=norm_output,
         )
@@ -329,19 +320,24 @@ class Eagle3Draft(nn.Module):
         normed = self.norm(out)
         return (normed if self.config.norm_output else out), self.lm_head(normed)
 
-    def step(
+    def _layer(
         self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, past: list[KV]
-    ) -> tuple[torch.Tensor, torch.Tensor, KV]:
-        """One draft step: (the output to feed back, draft-vocab logits, this step's k/v)."""
+    ) -> tuple[torch.Tensor, KV]:
+        """One draft step's layer: (its pre-norm output, this step's k/v)."""
         embeds = self.embed(tokens).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, positions)
         layer = self.layers[0]
         if self.gradient_checkpointing and self.training:
             # A snapshot of `past`: the caller appends later steps to its list, and the recomputation in
             # backward must see the keys this step saw.
-            out, kv = checkpoint(layer, embeds, hidden, cos, sin, list(past), use_reentrant=False)
-        else:
-            out, kv = layer(embeds, hidden, cos, sin, past)
+            return checkpoint(layer, embeds, hidden, cos, sin, list(past), use_reentrant=False)
+        return layer(embeds, hidden, cos, sin, past)
+
+    def step(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, past: list[KV]
+    ) -> tuple[torch.Tensor, torch.Tensor, KV]:
+        """One draft step: (the output to feed back, draft-vocab logits, this step's k/v)."""
+        out, kv = self._layer(tokens, hidden, positions, past)
         return *self._outputs(out), kv
 
     def decode(
@@ -359,17 +355,20 @@ class Eagle3Draft(nn.Module):
         return self._outputs(self.layers[0].decode(embeds, hidden, cos, sin, cache, allowed))
 
     def ttt_forward(
-        self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, steps: int
+        self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, steps: int, logits: bool = True
     ) -> list[torch.Tensor]:
         """Unrolled training forward. tokens/positions: [B, T] (already shifted, see training.ttt);
-        aux: [B, T, A*H_target]. Returns the logits of each step, [B, T, draft_vocab]."""
+        aux: [B, T, A*H_target]. Returns the logits of each step, [B, T, draft_vocab], or without `logits` each
+        step's output through the final norm [B, T, H] (the lm_head's input: a loss applies the head by chunks)."""
         hidden = self.fuse(aux)
         past: list[KV] = []
-        logits = []
+        outs = []
         for i in range(steps):
             # Teacher forcing: step i at index j reads the data token i places further on.
             step_tokens = F.pad(tokens[:, i:], (0, i)) if i else tokens
-            hidden, step_logits, kv = self.step(step_tokens, hidden, positions + i, past)
+            out, kv = self._layer(step_tokens, hidden, positions + i, past)
+            normed = self.norm(out)
+            hidden = normed if self.config.norm_output else out
             past.append(kv)
-            logits.append(step_logits)
-        return logits
+            outs.append(self.lm_head(normed) if logits else normed)
+        return outs

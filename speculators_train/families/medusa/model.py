@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speculators_train.architectures import text_config
 from speculators_train.families.draft_config import Bounded, Hidden, Vocab, checked, draft_config, spelled, within
 from speculators_train.families.format_common import MAX_LAYERS
 from speculators_train.families.medusa.settings import MAX_BLOCKS, MAX_HEADS
@@ -90,20 +91,29 @@ class MedusaDraft(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Post-norm target states [.., H] -> draft-vocab logits of every head [num_heads, .., draft_vocab]."""
-        return torch.stack([head(block(hidden)) for block, head in zip(self.blocks, self.lm_heads, strict=True)])
+        return torch.stack([self.head_logits(h, self.head_states(h, hidden)) for h in range(self.config.num_heads)])
+
+    def head_states(self, h: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Head h's block over post-norm target states (the part of a head that is not vocabulary-wide)."""
+        return self.blocks[h](hidden)
+
+    def head_logits(self, h: int, states: torch.Tensor) -> torch.Tensor:
+        """Head h's draft-vocabulary logits from its block's states."""
+        return self.lm_heads[h](states)
 
     @classmethod
     def for_target(
         cls, target_config, lm_head_rows: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, heads: int, layers: int
     ) -> MedusaDraft:
         """Heads shaped for the target, each lm_head starting from the target's rows of the draft vocabulary."""
+        text = text_config(target_config)
         config = MedusaConfig(
-            hidden_size=target_config.hidden_size,
+            hidden_size=text.hidden_size,
             num_heads=heads,
             num_layers=layers,
             draft_vocab_size=d2t.numel(),
-            target_vocab_size=target_config.vocab_size,
-            target_num_layers=target_config.num_hidden_layers,
+            target_vocab_size=text.vocab_size,
+            target_num_layers=text.num_hidden_layers,
         )
         draft = cls(config)
         with torch.no_grad():

@@ -106,8 +106,12 @@ class MLPDraft(nn.Module):
         """The first stage's input from the target's post-norm state."""
         return self.ln0(state) / math.sqrt(2) if self.config.scale_input else state
 
+    def advance(self, i: int, state: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """Stage i's state from the current state and the token stage i is fed."""
+        emb, proj, ln = (modules[min(i, len(modules) - 1)] for modules in (self.emb, self.proj, self.ln))
+        return F.gelu(ln(proj(state) + emb(token) * (self.emb_weight / self.state_weight)))
+
     def stage(self, i: int, state: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the next state, stage i's logits) from the current state and the token stage i is fed."""
-        emb, proj, ln = (modules[min(i, len(modules) - 1)] for modules in (self.emb, self.proj, self.ln))
-        state = F.gelu(ln(proj(state) + emb(token) * (self.emb_weight / self.state_weight)))
+        state = self.advance(i, state, token)
         return state, self.head[i](state)

@@ -124,18 +124,20 @@ class PEagleDraft(Eagle3Draft):
         return self.mask_embedding.to(dtype).expand(batch, count, h), hidden.expand(batch, count, h)
 
     def parallel_forward(
-        self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, chains: Chains
+        self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, chains: Chains, logits: bool = True
     ) -> list[torch.Tensor]:
         """Training forward over every depth at once. tokens/positions [B, L] (x_{j+1}, j+1), aux [B, L, A*H];
         returns the logits of depth 0 at every index [B, L, V] and of depth d at `chains.anchors[d-1]`
-        [B, n_d, V]."""
+        [B, n_d, V], or without `logits` those outputs through the final norm [.., H] (a loss applies the head by
+        chunks)."""
+        head = self.lm_head if logits else nn.Identity()
         layer = self.layers[0]
         scale = layer.self_attn.scaling
         hidden = self.fuse(aux)
         cos, sin = self.rotary_emb(hidden, positions)
         q0, k0, v0, residual = layer._qkv(self.embed(tokens).to(hidden.dtype), hidden, cos, sin)
         out0 = F.scaled_dot_product_attention(q0, k0, v0, is_causal=True, scale=scale)
-        logits = [self._outputs(layer._finish(out0, residual))[1]]
+        outs = [head(self.norm(layer._finish(out0, residual)))]
         length = tokens.shape[1]
         keys: list[torch.Tensor] = []  # per depth >= 1: k, v of its slots [B, nh, n_e, d]
         values: list[torch.Tensor] = []
@@ -164,5 +166,5 @@ class PEagleDraft(Eagle3Draft):
                 out = out + probs[..., length + e, None] * vs
             keys.append(k)
             values.append(v)
-            logits.append(self._outputs(layer._finish(out, residual))[1])
-        return logits
+            outs.append(head(self.norm(layer._finish(out, residual))))
+        return outs

@@ -33,6 +33,7 @@ class Settings(FamilySettings):
 
     # vLLM only: SGLang and llama.cpp run no P-EAGLE
     formats: ClassVar[dict[str, str]] = {"speculators": "formats:PEagleFormat"}
+    own_attention: ClassVar[bool] = True  # Llama/Qwen3 decoder layers of its own
 
     def recipe_problems(self, recipe: Any) -> list[str]:
         problems = []
