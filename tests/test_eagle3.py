@@ -124,12 +124,12 @@ def test_reference_catches_missing_rope_offset_and_future_leak():
     ref = reference_chain(draft, tokens, aux, positions, 3, steps)
     no_offset = draft.ttt_forward.__func__  # run steps with a frozen position to emulate the bug
     draft_bug = tiny_draft()
-    original_step = draft_bug.step
+    original_layer = draft_bug._layer
 
-    def step_without_offset(tok, hid, pos, past):
-        return original_step(tok, hid, positions, past)
+    def layer_without_offset(tok, hid, pos, past):
+        return original_layer(tok, hid, positions, past)
 
-    draft_bug.step = step_without_offset
+    draft_bug._layer = layer_without_offset
     bad = no_offset(draft_bug, tokens, aux, positions, steps)
     assert not torch.allclose(bad[2][0, 3], ref[2])
     assert torch.allclose(good[2][0, 3], ref[2])
@@ -184,7 +184,7 @@ def test_loss_mask_moves_with_the_predicted_token():
     # x6 is predicted at chain index j with j + 2 = 6, from target state y5 = final[:, 5].
     assert a.valid[0].nonzero().flatten().tolist() == [4]
     expected = torch.softmax(head(final[:, 5])[0, :DV], -1)
-    torch.testing.assert_close(a.target_probs[0, 4], expected.float())
+    torch.testing.assert_close(a.target_probs(head, a.final[:, 4])[0], expected.float())
     assert a.tokens[0, 4] == batch["input_ids"][0, 5] and a.positions[0, 4] == 5
     _, metrics = ttt_loss(draft, batch, head, steps=3, decay=0.8)
     # Step i predicts x6 from chain j = 4 - i: exactly one trained token at each step.

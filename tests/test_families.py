@@ -84,6 +84,40 @@ def test_the_objective_trains_on_real_states_and_sums_every_metric_it_names(targ
     assert all(0.0 <= summary[f"full_acc_{i}"] <= 1.0 for i in range(objective.steps))
 
 
+def test_the_objective_gives_the_same_loss_gradients_and_metrics_over_any_chunk_of_positions(
+    head_weights, samples, fresh, monkeypatch
+):
+    """A loss over a vocabulary is computed over chunks of positions (`chunks.chunked`, checkpointed under
+    autograd): one chunk per sample and a few positions per chunk must give the same loss, metric sums and gradients,
+    so the memory bound changes no number."""
+    import speculators_train.chunks as chunks
+
+    family, settings, draft = fresh
+    config, weights = head_weights
+    batch = collate(samples[:3])
+
+    def run(elements: int) -> tuple:
+        monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", elements)
+        draft.zero_grad()
+        torch.manual_seed(0)  # families that sample positions draw the same ones
+        loss, sums = family.objective(draft, TargetHead.from_weights(config, weights), settings)(batch)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+        return loss.detach(), sums, grads
+
+    whole, sums, grads = run(1 << 40)
+    part, part_sums, part_grads = run(1 << 20)  # a few positions per chunk (7 of 3 samples at 49k)
+    torch.testing.assert_close(part, whole, rtol=1e-5, atol=1e-6)
+    assert part_sums.keys() == sums.keys()
+    for name in sums:
+        torch.testing.assert_close(part_sums[name], sums[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert grads and part_grads.keys() == grads.keys()
+    for name in grads:
+        # Chunks sum a gradient in another order: compare on the scale of the tensor's largest entry.
+        scale = grads[name].abs().max().item()
+        torch.testing.assert_close(part_grads[name], grads[name], rtol=1e-4, atol=1e-4 * scale, msg=name)
+
+
 def loaded_with_prompt(tmp_path, target, draft) -> tuple:
     """The draft saved and loaded for the target as verify loads it, and a chat prompt's ids."""
     save_checkpoint(tmp_path, 1, draft, None, {"step": 1}, keep_last=1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from speculators_train.chunks import chunk_rows, chunked
 from speculators_train.families.dflash.model import DFlashDraft
 from speculators_train.families.divergence import Divergence, divergence
 from speculators_train.families.objective import ChainAccuracy, Objective, Sums, global_counts, key, ratio
@@ -68,34 +69,41 @@ def block_loss(
     trained = mask[:, 1:].bool()  # index j: x_{j+1} is an assistant token, the only targets a block is scored on
     row_of = torch.full(trained.shape, -1, dtype=torch.long, device=ids.device)
     row_of[trained] = torch.arange(int(trained.sum()), device=ids.device)
-    with torch.no_grad():  # the target's distribution after x_j, predicting x_{j+1}, at trained j only
+    with torch.no_grad():  # the target's state after x_j, predicting x_{j+1}, at trained j only
         picked = final[:, :-1][trained]
         picked = picked if len(picked) else final[:1, 0]  # no assistant token: one row, never scored
-        logits = head(picked.to(head.lm_head.weight.dtype)).float()
-        in_vocab = draft.t2d[logits.argmax(-1)]
-        probs = torch.softmax(logits[..., draft_to_target(draft.d2t)], dim=-1)
-        best = probs.argmax(-1)
+        in_vocab = draft.t2d[head.greedy(picked)]
+        weight = head.lm_head.weight[draft_to_target(draft.d2t)]
     candidates = mask.bool().clone()
     candidates[:, length - 1 :] = False  # an anchor proposes at least one token inside the sequence
     anchors, present = sample_anchors(candidates, max_anchors if training else None)
-    lg = draft.training_forward(ids, aux.to(draft.fc.weight.dtype), anchors, positions).float()  # [B, n, P, D]
+    out = draft.training_forward(ids, aux.to(draft.fc.weight.dtype), anchors, positions, logits=False)  # [B,n,P,H]
     index = anchors[..., None] + torch.arange(positions, device=ids.device)  # slot i + 1 reads target index a + i
     here = present[..., None] & (index < length - 1)
     rows = row_of.gather(1, index.clamp(max=length - 2).flatten(1)).view(index.shape)
     inside = here & (rows >= 0)  # [B, n, P]: the slot's target is an assistant token
     rows = rows.clamp(min=0)
     ok = inside & in_vocab[rows]  # ... and the target's top-1 is in the draft vocabulary: scored
-    div = divergence(probs[rows], torch.log_softmax(lg, dim=-1), kind)
-    right = lg.argmax(-1) == best[rows]
     style, gamma, alpha = weighting
-    if style == "dpace":
-        weights = dpace_weights(torch.exp(-div.detach()), ok, alpha)
-    else:
-        steps = torch.arange(positions, device=div.device, dtype=div.dtype)
-        weights = torch.exp(-steps / gamma).expand_as(div)
+
+    def piece(h: torch.Tensor, slots: torch.Tensor, scored: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One chunk of blocks [B, c, P]: the weighted loss sum, each slot's divergence and whether it is right."""
+        lg = draft.lm_head(h).float()
+        with torch.no_grad():
+            target = torch.softmax(head.on(picked[slots], weight), dim=-1)
+        div = divergence(target, torch.log_softmax(lg, dim=-1), kind)
+        if style == "dpace":
+            weights = dpace_weights(torch.exp(-div.detach()), scored, alpha)
+        else:
+            steps = torch.arange(positions, device=div.device, dtype=div.dtype)
+            weights = torch.exp(-steps / gamma).expand_as(div)
+        return (weights * div * scored).sum(), div.detach(), lg.argmax(-1) == target.argmax(-1)
+
+    chunk = chunk_rows(ids.shape[0] * positions, draft.config.draft_vocab_size)
+    weighted, div, right = chunked(piece, chunk, out, rows, ok)
     count = ok.sum()
     total = global_counts(count[None])[0] if training else count.clamp(min=1)
-    loss = (weights * div * ok).sum() / total
+    loss = weighted / total
     sums: Sums = {"vocab_coverage": ratio(ok[..., 0].sum(), inside[..., 0].sum())}
     chains = ChainAccuracy()
     for d in range(positions):

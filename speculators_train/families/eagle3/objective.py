@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from speculators_train.chunks import chunk_rows, chunked
 from speculators_train.families.divergence import Divergence, divergence
 from speculators_train.families.eagle_arch.align import align
 from speculators_train.families.eagle_arch.model import Eagle3Draft
@@ -32,22 +33,27 @@ def ttt_loss(
     vocab counts as a miss, as it would at inference) and `vocab_coverage` (trained tokens the draft vocab can
     express at all: a ceiling on full_acc_0)."""
     a = align(batch, head, draft)
-    logits = draft.ttt_forward(a.tokens, a.aux.to(draft.fc.weight.dtype), a.positions, steps)
+    outputs = draft.ttt_forward(a.tokens, a.aux.to(draft.fc.weight.dtype), a.positions, steps, logits=False)
     length = a.tokens.shape[1]
     counts = torch.stack([a.valid[:, i:].sum() for i in range(steps)])
     denominators = global_counts(counts) if across_ranks else counts.clamp(min=1)
     total = torch.zeros((), device=a.tokens.device)
     sums: Sums = {"vocab_coverage": ratio(counts[0], a.trained.sum())}
     chains = ChainAccuracy()
-    for i, step_logits in enumerate(logits):
+    rows = chunk_rows(a.tokens.shape[0], draft.config.draft_vocab_size)
+
+    def piece(out: torch.Tensor, final: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lg = draft.lm_head(out).float()
+        target = a.target_probs(head, final)
+        ce = divergence(target, torch.log_softmax(lg, dim=-1), kind, beta)  # [B, c]
+        return (ce * m).sum(), lg.argmax(-1) == target.argmax(-1)
+
+    for i, out in enumerate(outputs):
         n = length - i
-        lg = step_logits[:, :n].float()
-        target = a.target_probs[:, i:]
         m = a.valid[:, i:]
-        ce = divergence(target, torch.log_softmax(lg, dim=-1), kind, beta)  # [B, n]
-        total = total + decay**i * (ce * m).sum() / denominators[i]
-        correct = lg.argmax(-1) == target.argmax(-1)
-        sums[key("loss", i)] = ratio((ce * m).sum(), counts[i])
+        loss_sum, correct = chunked(piece, rows, out[:, :n], a.final[:, i:], m)
+        total = total + decay**i * loss_sum / denominators[i]
+        sums[key("loss", i)] = ratio(loss_sum, counts[i])
         sums.update(chains.step(i, correct & m, a.trained[:, i:]))
     return total, sums
 

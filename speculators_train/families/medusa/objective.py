@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from speculators_train.chunks import chunk_rows, chunked
 from speculators_train.families.divergence import Divergence, divergence
 from speculators_train.families.medusa.model import MedusaDraft
 from speculators_train.families.objective import ChainAccuracy, Objective, Sums, global_counts, key, ratio
@@ -44,40 +45,50 @@ def medusa_loss(
     length = ids.shape[1]
     with torch.no_grad():
         final = final.to(head.lm_head.weight.dtype)
-        target_logits = head(final).float()  # [B, T, V_target]
-        greedy = target_logits.argmax(-1)
+        greedy = head.greedy(final)  # [B, T]: the target's top-1 over its whole vocabulary
         draft_index = torch.cumsum(draft.t2d.to(torch.int64), 0) - 1  # target id -> draft id, where it has one
         greedy_draft = draft_index[greedy]
         in_vocab = draft.t2d[greedy]
-        probs = torch.softmax(target_logits[..., draft_to_target(draft.d2t)], dim=-1)
-        hidden = head.norm(final)
-    logits = draft(hidden.to(draft.lm_heads[0].weight.dtype))  # [heads, B, T, V_draft]
+        weight = head.lm_head.weight[draft_to_target(draft.d2t)]  # the target's rows of the draft vocabulary
+        hidden = head.norm(final).to(draft.lm_heads[0].weight.dtype)
     padded_mask = F.pad(mask, (0, 2), value=False)
     padded_ids = F.pad(ids, (0, 2))
     heads = draft.config.num_heads
     trained = [padded_mask[:, 2 + h : 2 + h + length - 1 - h] for h in range(heads)]
     if hard:
-        labels = [padded_ids[:, 2 + h : 2 + h + length - 1 - h] for h in range(heads)]
-        valid = [t & draft.t2d[lab] for t, lab in zip(trained, labels, strict=True)]
+        targets = [padded_ids[:, 2 + h : 2 + h + length - 1 - h] for h in range(heads)]
+        valid = [t & draft.t2d[lab] for t, lab in zip(trained, targets, strict=True)]
+        labels = [draft_index[lab] for lab in targets]  # the label's draft id, where `valid`
     else:
+        labels = [torch.zeros_like(t, dtype=torch.int64) for t in trained]  # unused
         valid = [t & in_vocab[:, 1 + h : length] for h, t in enumerate(trained)]
     counts = torch.stack([v.sum() for v in valid])
     denominators = global_counts(counts) if across_ranks else counts.clamp(min=1)
     total = torch.zeros((), device=ids.device)
     sums: Sums = {"vocab_coverage": ratio(counts[0], trained[0].sum())}
     chains = ChainAccuracy()
+    rows = chunk_rows(ids.shape[0], draft.config.draft_vocab_size)
     for h in range(heads):
         n = length - 1 - h
-        lg = logits[h][:, :n].float()
-        if hard:
-            ce = F.cross_entropy(lg.transpose(1, 2), draft_index[labels[h]].clamp(min=0), reduction="none")
-        else:
-            ce = divergence(probs[:, 1 + h : length], torch.log_softmax(lg, dim=-1), kind)
-        total = total + decay**h * (ce * valid[h]).sum() / denominators[h]
-        want = greedy_draft[:, 1 + h : length]
-        right = in_vocab[:, 1 + h : length]
-        hits = (lg.topk(min(RANKS, lg.shape[-1]), dim=-1).indices == want[..., None]) & right[..., None]
-        sums[key("loss", h)] = ratio((ce * valid[h]).sum(), counts[h])
+        x = draft.head_states(h, hidden[:, :n])
+
+        def piece(x, y, v, want, right, label, h=h):  # one chunk of head h's positions
+            lg = draft.head_logits(h, x).float()
+            if hard:
+                ce = F.cross_entropy(lg.transpose(1, 2), label.clamp(min=0), reduction="none")
+            else:
+                with torch.no_grad():
+                    probs = torch.softmax(head.on(y, weight), dim=-1)
+                ce = divergence(probs, torch.log_softmax(lg, dim=-1), kind)
+            hits = (lg.topk(min(RANKS, lg.shape[-1]), dim=-1).indices == want[..., None]) & right[..., None]
+            return (ce * v).sum(), hits
+
+        window = slice(1 + h, length)
+        loss_sum, hits = chunked(
+            piece, rows, x, final[:, window], valid[h], greedy_draft[:, window], in_vocab[:, window], labels[h]
+        )
+        total = total + decay**h * loss_sum / denominators[h]
+        sums[key("loss", h)] = ratio(loss_sum, counts[h])
         sums.update(chains.step(h, hits[..., 0] & trained[h], trained[h]))
         ranked = (hits & trained[h][..., None]).sum((0, 1)).float()
         tokens = trained[h].sum()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from speculators_train.chunks import chunk_rows, chunked
 from speculators_train.families.divergence import Divergence, divergence
 from speculators_train.families.mlp.model import MLPDraft
 from speculators_train.families.objective import ChainAccuracy, Objective, Sums, global_counts, key, ratio
@@ -24,13 +25,12 @@ from speculators_train.target import TargetHead
 def mlp_loss(
     draft: MLPDraft, batch: dict[str, torch.Tensor], head: TargetHead, decay: float, kind: Divergence, across: bool
 ) -> tuple[torch.Tensor, Sums]:
+    """Each stage's divergence over chunks of positions (`chunks.chunked`): no whole-vocabulary logits of a long
+    sample, the target's or a stage's, exist at once."""
     ids, final, mask = batch["input_ids"], batch["hidden_state"], batch["loss_mask"]
     length, stages = ids.shape[1], draft.config.n_predict
     with torch.no_grad():
         final = final.to(head.lm_head.weight.dtype)
-        target_logits = head(final).float()  # [B, T, V]
-        greedy = target_logits.argmax(-1)
-        probs = torch.softmax(target_logits, dim=-1)
         hidden = head.norm(final)
     padded_mask = F.pad(mask, (0, 2), value=False)
     trained = [padded_mask[:, 2 + i : 1 + length] for i in range(stages)]  # [B, T - 1 - i]: x_{t+2+i} scored
@@ -40,17 +40,24 @@ def mlp_loss(
     total = torch.zeros((), device=ids.device)
     sums: Sums = {"vocab_coverage": ratio(counts[0], counts[0])}
     chains = ChainAccuracy()
+    rows = chunk_rows(ids.shape[0], draft.config.vocab_size)
     for i in range(stages):
         n = length - 1 - i
         if n <= 0:  # a sequence shorter than the chain: later stages score nothing
             sums[key("loss", i)] = ratio(torch.zeros((), device=ids.device), counts[i])
             sums.update(chains.step(i, trained[i], trained[i]))
             continue
-        state, logits = draft.stage(i, state[:, :n], ids[:, 1 + i : 1 + i + n])
-        per_position = divergence(probs[:, 1 + i : 1 + i + n], torch.log_softmax(logits.float(), dim=-1), kind)
-        loss_sum = (per_position * trained[i]).sum()
+        state = draft.advance(i, state[:, :n], ids[:, 1 + i : 1 + i + n])
+
+        def piece(s: torch.Tensor, y: torch.Tensor, m: torch.Tensor, stage: int = i) -> tuple[torch.Tensor, ...]:
+            with torch.no_grad():
+                target_logits = head(y).float()
+            logits = draft.head[stage](s).float()
+            per_position = divergence(torch.softmax(target_logits, dim=-1), torch.log_softmax(logits, dim=-1), kind)
+            return (per_position * m).sum(), logits.argmax(-1) == target_logits.argmax(-1)
+
+        loss_sum, right = chunked(piece, rows, state, final[:, 1 + i : 1 + i + n], trained[i])
         total = total + decay**i * loss_sum / denominators[i]
-        right = logits.argmax(-1) == greedy[:, 1 + i : 1 + i + n]
         sums[key("loss", i)] = ratio(loss_sum, counts[i])
         sums.update(chains.step(i, right & trained[i], trained[i]))
     return total, sums

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from speculators_train.chunks import chunk_rows, chunked
 from speculators_train.families.divergence import Divergence, divergence
 from speculators_train.families.eagle_arch.align import align
 from speculators_train.families.objective import Objective, Sums, global_counts, key, ratio
@@ -39,28 +40,33 @@ def parallel_loss(
 ) -> tuple[torch.Tensor, Sums]:
     a = align(batch, head, draft)
     chains = sample_chains(a.trained, depths, *ratio_kept, everything=not training)
-    logits = draft.parallel_forward(a.tokens, a.aux.to(draft.fc.weight.dtype), a.positions, chains)
+    outputs = draft.parallel_forward(a.tokens, a.aux.to(draft.fc.weight.dtype), a.positions, chains, logits=False)
     batch_size, length = a.tokens.shape
     rows = torch.arange(batch_size, device=a.tokens.device)[:, None]
-    per_depth = []  # (divergence, right, valid, trained) of each depth's elements (padding: not valid, not trained)
+    chunk = chunk_rows(batch_size, draft.config.draft_vocab_size)
+
+    def piece(out: torch.Tensor, final: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lg = draft.lm_head(out).float()
+        target = a.target_probs(head, final)
+        return (divergence(target, torch.log_softmax(lg, dim=-1), kind) * m).sum(), lg.argmax(-1) == target.argmax(-1)
+
+    per_depth = []  # (loss sum, right, valid, trained) of each depth's elements (padding: not valid, not trained)
     anchors = torch.arange(length, device=a.tokens.device).expand(batch_size, -1)
     present = torch.ones_like(a.trained)
-    for d, lg in enumerate(logits):
+    for d, out in enumerate(outputs):
         if d:
             anchors, present = chains.anchors[d - 1], chains.present[d - 1]
         index = (anchors + d).clamp(max=length - 1)
-        target = a.target_probs[rows, index]
-        lg = lg.float()
-        div = divergence(target, torch.log_softmax(lg, dim=-1), kind)
-        right = lg.argmax(-1) == target.argmax(-1)
-        per_depth.append((div, right, a.valid[rows, index] & present, a.trained[rows, index] & present))
+        valid = a.valid[rows, index] & present
+        loss_sum, right = chunked(piece, chunk, out, a.final[rows, index], valid)
+        per_depth.append((loss_sum, right, valid, a.trained[rows, index] & present))
     counts = torch.stack([valid.sum() for _, _, valid, _ in per_depth])
     total_count = global_counts(counts.sum()[None])[0] if training else counts.sum().clamp(min=1)
-    loss = sum((div * valid).sum() for div, _, valid, _ in per_depth) / total_count
+    loss = sum(loss_sum for loss_sum, _, _, _ in per_depth) / total_count
     sums: Sums = {"vocab_coverage": ratio(counts[0], a.trained.sum())}
     ok = inside = a.trained  # per anchor [B, L]: the chain is right / trained at every depth so far (set at d 0)
-    for d, (div, right, valid, trained) in enumerate(per_depth):
-        sums[key("loss", d)] = ratio((div * valid).sum(), counts[d])
+    for d, (loss_sum, right, valid, trained) in enumerate(per_depth):
+        sums[key("loss", d)] = ratio(loss_sum, counts[d])
         sums[key("acc", d)] = ratio((right & valid).sum(), trained.sum())
         if d == 0:
             prev_ok, prev_inside = torch.ones_like(right), torch.ones_like(right)
