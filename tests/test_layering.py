@@ -140,10 +140,11 @@ FAMILY_NAMES = re.compile(
 )
 RECIPE_FILE = re.compile(r"recipes/(medusa|eagle3|peagle|draft_model|mlp|dflash)[\w.-]*\.yaml")
 # An engine's own vocabulary: llama.cpp's GGUF architectures "eagle3" (with the speculative type it must be told for
-# it) and "dflash" (which it detects from the file), and vLLM's speculative_config key "draft_model_config".
+# it) and "dflash" (which it detects from the file), vLLM's speculative_config key "draft_model_config" and its model
+# interface `SupportsEagle3` (what a target class must implement to hand a draft its intermediate states).
 ENGINE_WORDS = re.compile(
     r'"eagle3": "draft-eagle3"|\{"dflash"\}|DFlash and DSpark drafts \(GGUF architecture `dflash`\)'
-    r'|"draft_model_config"'
+    r'|"draft_model_config"|SupportsEagle3|supports_eagle3'
 )
 
 

@@ -18,6 +18,8 @@ from typing import Any
 from safetensors.torch import save_file
 
 from speculators_train import __version__
+from speculators_train.architectures import text_config
+from speculators_train.engines.serving import served_commands
 from speculators_train.errors import UserError
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft, refuse_non_finite
@@ -199,9 +201,10 @@ def _export(
     recipe: Recipe, out: Path, fmt: str, dtype: str, source: str, hub_id: str | None, checkpoint_dir: Path
 ) -> Exported:
     target_config, head = load_head_weights(recipe.target)
-    num_layers = target_config.num_hidden_layers
+    text = text_config(target_config)
+    num_layers = text.num_hidden_layers
     loaded = load_draft(checkpoint_dir, num_layers)
-    check_fits(loaded, target_config.hidden_size, target_config.vocab_size, num_layers)
+    check_fits(loaded, text.hidden_size, text.vocab_size, num_layers)
     family, draft = loaded.family, loaded.draft
     family.attach_target(draft, head["embed"], loaded.has_embedding)
     export_format = family.formats.get(fmt)
@@ -229,7 +232,10 @@ def _export(
             "one-argument `vllm serve <dir>` needs a hub id (set export.verifier)"
         )
     k = family.draft_tokens(draft, recipe.eval.num_speculative_tokens)
-    commands = export_format.commands(out, served, recipe.eval, k)
+    commands, more = served_commands(
+        recipe.target, target_config, family.settings, export_format.commands(out, served, recipe.eval, k)
+    )
+    notes += more
     architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
     config, weights = export_format.write(draft, dtype, verifier, architectures, k)
     refuse_non_finite(weights, f"{loaded.path} in {dtype}")  # float16 overflows past 65504

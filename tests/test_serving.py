@@ -1,0 +1,100 @@
+"""Which engine serves which draft on which target, asked of the engines' own code: vLLM's registry and
+`SupportsEagle3`, llama.cpp's converter and model sources. Each rule is checked against a fact found by hand in
+that engine (SPEC.md sections 10 and 15)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoConfig
+
+from speculators_train.engines import serving
+
+
+def config(model_type: str, architecture: str, **values):
+    out = AutoConfig.for_model(model_type, **values)
+    out.architectures = [architecture]
+    return out
+
+
+@pytest.fixture(scope="module")
+def llamacpp_archive():
+    """llama.cpp's converter and sources, taken from the archive its programs are built from (no build needed)."""
+    from speculators_train.engines.llamacpp.converter import ensure_converter
+
+    ensure_converter()
+
+
+def test_llamacpp_graphs_that_export_layer_inputs_are_read_from_its_sources(llamacpp_archive):
+    """llama.cpp runs an EAGLE-3 or DFlash draft only on a target whose graph sets `t_layer_inp`: Llama, Qwen3,
+    Qwen3-MoE and gpt-oss do in the vendored release; Qwen2, Gemma-3, Phi-3 and Llama-4 do not (llama-server
+    aborts on them)."""
+    exporting = serving._layer_input_archs()
+    assert {"llama", "qwen3", "qwen3moe", "gpt-oss"} <= set(exporting)
+    assert not {"qwen2", "gemma3", "phi3", "llama4"} & set(exporting)
+
+
+def test_llamacpp_converter_names_the_gguf_architecture_of_an_hf_target(llamacpp_archive):
+    assert serving.converted_architecture("Qwen2ForCausalLM") == "qwen2"
+    assert serving.converted_architecture("GptOssForCausalLM") == "gpt-oss"
+    assert serving.converted_architecture("NoSuchModelForCausalLM") is None
+
+
+def test_llamacpp_refuses_a_state_reading_draft_on_a_target_that_exports_no_layer_inputs(llamacpp_archive):
+    qwen2 = config("qwen2", "Qwen2ForCausalLM")
+    answer = serving.llamacpp_serving(qwen2, None, reads_target_states=True)
+    assert answer.problems and "qwen2 graph does not export layer inputs" in answer.problems[0]
+    assert serving.llamacpp_serving(qwen2, None, reads_target_states=False).runs_here  # a plain draft model
+    assert serving.llamacpp_serving(config("llama", "LlamaForCausalLM"), None, True).runs_here
+
+
+@pytest.fixture(scope="module")
+def vllm_answers():
+    """vLLM asked once for every architecture below (one child process; answers cached per vLLM version)."""
+    archs = ["LlamaForCausalLM", "Gemma2ForCausalLM", "DeepseekV3ForCausalLM", "Qwen2_5_VLForConditionalGeneration"]
+    return serving.vllm_facts(archs)
+
+
+def test_vllm_needs_supports_eagle3_for_a_draft_that_reads_target_states(vllm_answers):
+    """vLLM 0.32 runs Gemma-2 as its own Gemma2ForCausalLM, which does not implement SupportsEagle3: EAGLE-3,
+    P-EAGLE and DFlash drafts are refused; a Medusa head or a draft model (no intermediate states) is not."""
+    gemma2 = config("gemma2", "Gemma2ForCausalLM")
+    answer = serving.vllm_serving(gemma2, reads_target_states=True, own_attention=True)
+    assert answer.problems and "SupportsEagle3" in answer.problems[0]
+    assert not serving.vllm_serving(gemma2, reads_target_states=False, own_attention=False).problems
+    assert serving.vllm_serving(config("llama", "LlamaForCausalLM"), True, True).runs_here
+
+
+def test_vllm_on_cpu_cannot_pair_an_mla_target_with_a_draft_of_its_own_attention(vllm_answers):
+    deepseek = config("deepseek_v3", "DeepseekV3ForCausalLM")
+    answer = serving.vllm_serving(deepseek, reads_target_states=True, own_attention=True)
+    assert not answer.problems  # a GPU build serves it
+    if vllm_answers["DeepseekV3ForCausalLM"]["cpu"]:
+        assert answer.here and "MLA" in answer.here[0]
+    assert not serving.vllm_serving(deepseek, reads_target_states=False, own_attention=False).here
+
+
+def test_a_multimodal_class_vllm_cannot_load_here_is_said_to_fail_here_only(vllm_answers):
+    """vLLM's multimodal classes import image processors that need torchvision, which the CPU torch here cannot
+    have: serving them is a question of this machine, not of the draft."""
+    vl = AutoConfig.for_model("qwen2_5_vl")
+    vl.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    answer = serving.vllm_serving(vl, reads_target_states=True, own_attention=True)
+    assert not answer.problems
+    if "error" in vllm_answers["Qwen2_5_VLForConditionalGeneration"]:
+        assert answer.here and "cannot load" in answer.here[0]
+
+
+def test_export_prints_only_the_serve_lines_that_run():
+    """A line whose engine cannot serve the draft is left out with a note naming the reason; one that needs
+    another machine is printed with a note; another engine's line (SGLang) is kept as written."""
+    from speculators_train.families.eagle3.settings import Settings
+
+    gemma2 = config("gemma2", "Gemma2ForCausalLM")
+
+    class Target:  # a recipe target that is no GGUF file
+        name_or_path = "/nowhere"
+        gguf_file = None
+
+    lines = ["vllm serve google/gemma-2 --speculative-config '{}'", "python -m sglang.launch_server --model x"]
+    kept, notes = serving.served_commands(Target(), gemma2, Settings(), lines)
+    assert kept == lines[1:] and len(notes) == 1 and notes[0].startswith("no vllm command: ")
