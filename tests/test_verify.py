@@ -221,10 +221,10 @@ class PrefilledOnce(TargetRunner):
     """A runner for many seeds of one prompt: its prefill runs once, and `reset` crops the cache back to it (the
     entries before a cut are never rewritten, so the cache is what a fresh prefill would make)."""
 
-    def __init__(self, target, prompt):
+    def __init__(self, target, prompt, states=NO_STATES):
         super().__init__(target)
         self.prefix = prompt[:-1]
-        self.prefilled = super().forward(self.prefix)
+        self.prefilled = super().forward(self.prefix, states=states)  # the states the proposer reads
 
     def reset(self):
         self.cache.crop(len(self.prefix) - self.length)  # negative: the count of entries to drop

@@ -9,6 +9,12 @@ A verify step feeds [x_{L-1}, d_1 .. d_K] (chain: causal; tree: each node sees i
 L-1+depth), accepts a prefix/path and one more token from the target (correction or bonus), then keeps only the
 accepted entries of the target cache (chain: crop; tree: compact the accepted path) and commits the new pairs to
 the draft, which crops away its own speculative entries first.
+
+The target's cache keeps every key of every layer, sliding-window and chunked-attention layers too (a sliding
+cache keeps only the last window, so a rollback by position would lose keys a later query needs); the window or
+chunk is applied by the attention mask instead: transformers builds it from the layer types for a chain, and a
+tree's mask is built here for each layer type. A recurrent or linear-attention layer (Qwen3-Next, Qwen3.5) keeps
+a state cropping cannot roll back: such a target is refused.
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
+from speculators_train.architectures import layer_types, recurrent_layers, text_config
 from speculators_train.errors import UserError
 from speculators_train.proposal import DraftTree, Proposer, Sampling, TreeSpec
 from speculators_train.target import NO_STATES, StateSpec, Target
@@ -62,28 +68,71 @@ def _cut(new: list[int], have: int, max_new_tokens: int, eos: set[int]) -> tuple
     return out, False
 
 
+def refuse_recurrent(config, name: str) -> None:
+    """The verify loop rolls the target's cache back to the accepted tokens; a recurrent state cannot be."""
+    if kinds := recurrent_layers(config):
+        raise UserError(
+            f"target {name}: its {', '.join(kinds)} layers keep a recurrent state that cropping a cache cannot roll "
+            "back to the accepted tokens, so the verify loop does not run it (train and export do; verify --engine "
+            "vllm serves it)"
+        )
+
+
 class TargetRunner:
     """The target with a KV cache: forwards that also return the states a draft reads."""
 
     def __init__(self, target: Target) -> None:
+        refuse_recurrent(target.config, repr(target.name_or_path))
         self.target = target
         self.model = target.model
         self.device = next(self.model.parameters()).device
-        self.cache = DynamicCache(config=self.model.config)
-        sliding = [type(layer).__name__ for layer in self.cache.layers if type(layer) is not DynamicLayer]
-        if sliding:
-            # Rollback indexes the cache by absolute position; a sliding window keeps only the last keys.
-            raise UserError(
-                f"target {target.config.model_type!r} uses {sliding[0]} cache layers (sliding-window attention); "
-                "the verify loop supports full-attention targets only"
-            )
+        text = text_config(target.config)
+        kinds = layer_types(target.config)
+        # What limits each layer type's view of earlier keys, for the masks of tree verification.
+        self.windows = {
+            "sliding_attention": ("window", getattr(text, "sliding_window", None)),
+            "chunked_attention": ("chunk", getattr(text, "attention_chunk_size", None)),
+        }
+        self.kinds = sorted(set(kinds))
+        unknown = [kind for kind in self.kinds if kind != "full_attention" and kind not in self.windows]
+        if unknown:
+            raise UserError(f"target {target.name_or_path!r}: layer type {unknown[0]!r} is not one the loop can mask")
+        self.cache = DynamicCache()
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        # No config: every layer a plain full cache, whatever its attention (see the module docstring).
+        self.cache = DynamicCache()
 
     @property
     def length(self) -> int:
         return self.cache.get_seq_length()
+
+    def _tree_mask(self, start: int, tree: DraftTree) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The additive mask of a tree verify forward: each node sees the cache, the root and its ancestors (at
+        position start + depth), within each layer type's window or chunk. One mask per layer type when the target
+        mixes them (transformers takes a dict of them), else the one mask."""
+        t = len(tree.tokens) + 1
+        allowed = torch.zeros(t, start + t, dtype=torch.bool, device=self.device)
+        allowed[:, : start + 1] = True  # the cache and the root
+        for node, parent in enumerate(tree.parents, start=1):
+            allowed[node] = allowed[parent + 1] if parent >= 0 else allowed[0]
+            allowed[node, start + node] = True
+        depth = torch.tensor([0, *tree.depths], device=self.device)
+        query_pos = start + depth
+        key_pos = torch.cat([torch.arange(start, device=self.device), query_pos])
+        dtype = self.target.dtype
+        masks = {}
+        for kind in self.kinds:
+            seen = allowed
+            if kind in self.windows:
+                rule, size = self.windows[kind]
+                if rule == "window":
+                    seen = allowed & (query_pos[:, None] - key_pos[None, :] < size)
+                else:
+                    seen = allowed & (query_pos[:, None] // size == key_pos[None, :] // size)
+            mask = torch.zeros(1, 1, t, start + t, dtype=dtype, device=self.device)
+            masks[kind] = mask.masked_fill_(~seen, torch.finfo(dtype).min)
+        return masks if len(masks) > 1 else next(iter(masks.values()))
 
     @torch.inference_mode()
     def forward(
@@ -98,17 +147,8 @@ class TargetRunner:
         if tree is None:
             positions = torch.arange(start, start + len(tokens), device=self.device)
         else:
-            depth = torch.tensor([0, *tree.depths], device=self.device)
-            positions = start + depth
-            t = len(tokens)
-            allowed = torch.zeros(t, start + t, dtype=torch.bool, device=self.device)
-            allowed[:, : start + 1] = True  # the cache and the root
-            for node, parent in enumerate(tree.parents, start=1):
-                allowed[node] = allowed[parent + 1] if parent >= 0 else allowed[0]
-                allowed[node, start + node] = True
-            dtype = self.target.dtype
-            mask = torch.zeros(1, 1, t, start + t, dtype=dtype, device=self.device)
-            mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+            positions = start + torch.tensor([0, *tree.depths], device=self.device)
+            mask = self._tree_mask(start, tree)
         kwargs = {"past_key_values": self.cache, "position_ids": positions[None], "use_cache": True}
         if states == NO_STATES:
             return self.model(input_ids=ids, attention_mask=mask, **kwargs).logits[0].float(), None

@@ -17,6 +17,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from speculators_train.engines.serving import serving
 from speculators_train.errors import UserError
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft
@@ -24,8 +25,14 @@ from speculators_train.files import atomic_write_bytes
 from speculators_train.proposal import Sampling, TreeSpec
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
-from speculators_train.target import Target, load_target
-from speculators_train.verify.decoder import Generation, SpeculativeDecoder, decode_plain, verify_width
+from speculators_train.target import Target, load_target, load_target_config
+from speculators_train.verify.decoder import (
+    Generation,
+    SpeculativeDecoder,
+    decode_plain,
+    refuse_recurrent,
+    verify_width,
+)
 from speculators_train.verify.report import score, write_outputs
 from speculators_train.verify.suites import Suite, load_suite
 
@@ -129,9 +136,26 @@ def shape_of(recipe: Recipe, loaded: LoadedDraft) -> tuple[str, int, TreeSpec | 
     return f"chain(K={k})", k, None
 
 
+def check_engine(recipe: Recipe) -> None:
+    """Refuse, before anything is loaded, a run that `eval.engine` cannot make on this target: the loop with a
+    recurrent target, an engine that cannot serve this family's draft on it (or not on this machine)."""
+    config = load_target_config(recipe.target)
+    settings = recipe.draft
+    engine = recipe.eval.engine
+    if engine == "native":
+        refuse_recurrent(config, repr(recipe.target.name_or_path))
+        return
+    answer = serving(engine, recipe.target, config, settings)
+    if reasons := answer.problems + answer.here:
+        raise UserError(
+            f"eval.engine {engine!r} cannot run a {settings.family} draft on this target: {'; '.join(reasons)}"
+        )
+
+
 def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tuple[Path, list[dict[str, Any]]]:
     """Score the draft at `draft_path` on the recipe's suites in `eval.engine`; returns the results directory
     and its records."""
+    check_engine(recipe)
     target = load_target(recipe.target)
     loaded = load_draft_for(target, draft_path)
     ev = recipe.eval
