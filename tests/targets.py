@@ -215,6 +215,7 @@ class Arch:
     config: dict[str, Any] = field(default_factory=dict)
     classes: tuple[str, ...] = ()  # what it stands for: sliding window, MoE, MLA, multimodal, ...
     vocab: int = 49280  # the head's rows: past the tokenizer's ids, as Qwen pads them
+    seed: int = 0  # added to the name's seed: a random target whose greedy reply repeats one token proves little
 
 
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": WIDTH, "norm_topk_prob": True}
@@ -232,6 +233,7 @@ MATRIX = [
         "gemma",
         {"sliding_window": 16, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
         ("sliding window", "soft-capped logits", "1 + w norm"),
+        seed=2,
     ),
     Arch(
         "gemma3-text",
@@ -276,7 +278,16 @@ MATRIX = [
         },
         ("MLA", "MoE"),
     ),
-    Arch("qwen2.5-vl", "qwen2_5_vl", "chatml", {"tie_word_embeddings": False}, ("multimodal wrapper", "M-RoPE")),
+    Arch(
+        "qwen2.5-vl",
+        "qwen2_5_vl",
+        "chatml",
+        {
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]},
+        },
+        ("multimodal wrapper", "M-RoPE"),
+    ),
     Arch(
         "llama4",
         "llama4",
@@ -376,43 +387,66 @@ def template_tokenizer(name: str, extra: tuple[str, ...] = ()):
     return tokenizer
 
 
-def build(arch: Arch, out: Path) -> Path:
-    """Write `arch` as a model folder (config, safetensors weights, tokenizer with its chat template) at `out`."""
-    import torch
+def config_of(arch: Arch, tokenizer=None):
+    """`arch`'s transformers config (its `architectures` named as `save_pretrained` names them), for a tokenizer
+    with its template's tokens (default: `template_tokenizer`'s)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     template = TEMPLATES[arch.template]
     images = IMAGE_TOKENS.get(arch.model_type, {})
-    tokenizer = template_tokenizer(arch.template, tuple(images.values()))
-    assert len(tokenizer) <= arch.vocab, (arch.name, len(tokenizer))
+    tokenizer = tokenizer or template_tokenizer(arch.template, tuple(images.values()))
     special = {
         "eos_token_id": [tokenizer.convert_tokens_to_ids(t) for t in template.eos],
         "bos_token_id": tokenizer.bos_token_id,
         "pad_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
     }
     text = {**COMMON, **arch.config, "vocab_size": arch.vocab, **special}
-    torch.manual_seed(sum(map(ord, arch.name)))
     if arch.model_type in VISION_CONFIGS:
         ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in images.items()}
         extra = {"mm_tokens_per_image": 4} if arch.model_type == "gemma3" else {}
         tie = {"tie_word_embeddings": text.pop("tie_word_embeddings", False)}
+        vision = VISION_CONFIGS[arch.model_type]
         config = AutoConfig.for_model(
-            arch.model_type,
-            text_config=text,
-            vision_config=VISION_CONFIGS[arch.model_type],
-            **ids,
-            **extra,
-            **tie,
-            **special,
+            arch.model_type, text_config=text, vision_config=vision, **ids, **extra, **tie, **special
         )
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        auto = AutoModelForImageTextToText
     else:
         config = AutoConfig.for_model(arch.model_type, **text)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id = special["eos_token_id"]
-    model.generation_config.bos_token_id = special["bos_token_id"]
-    model.generation_config.pad_token_id = special["pad_token_id"]
+        auto = AutoModelForCausalLM
+    config.architectures = [auto._model_mapping[type(config)].__name__]
+    return config
+
+
+def build(arch: Arch, out: Path) -> Path:
+    """Write `arch` as a model folder (config, safetensors weights, tokenizer with its chat template) at `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    images = IMAGE_TOKENS.get(arch.model_type, {})
+    tokenizer = template_tokenizer(arch.template, tuple(images.values()))
+    assert len(tokenizer) <= arch.vocab, (arch.name, len(tokenizer))
+    config = config_of(arch, tokenizer)
+    torch.manual_seed(sum(map(ord, arch.name)) + arch.seed)
+    auto = AutoModelForImageTextToText if arch.model_type in VISION_CONFIGS else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
+    generation = model.generation_config
+    generation.eos_token_id, generation.bos_token_id = config.get_text_config().eos_token_id, tokenizer.bos_token_id
+    generation.pad_token_id = config.get_text_config().pad_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "matrix.json").write_text(json.dumps({"name": arch.name, "classes": list(arch.classes)}))
+    return out
+
+
+def text_decoder_folder(src: Path, out: Path) -> Path:
+    """A multimodal checkpoint's language model saved as a causal-LM folder of its own (with the tokenizer): what a
+    user serves where an engine runs the text decoder but not the vision tower."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from speculators_train.architectures import model_class
+
+    model = model_class(AutoConfig.from_pretrained(src)).from_pretrained(src, dtype=torch.float32)
+    model.language_model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
     return out

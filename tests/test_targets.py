@@ -1,0 +1,316 @@
+"""Every target a user serves: tiny random-weight targets of each architecture class (tests/targets.py), built from
+transformers' own configs, through every stage, or refused with the reason before any work.
+
+A target here is 8 layers, 128 wide: a stage on it takes seconds, so the CLI runs each one in this process. What the
+matrix proves per target: the stored states are the model's own, the training head gives its logits, the verify loop
+decodes exactly as transformers does (drafts accepted and rejected, chain and tree, across sliding windows), and
+every stage runs for every family. CI runs every target with EAGLE-3 and the draft model (the families whose draft
+is shaped from the target's own layers), and every family on gpt-oss (MoE + sliding window + sinks) and Gemma-3's
+multimodal wrapper; SPECULATORS_TRAIN_MATRIX=all runs the whole cross product.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from speculators_train.cli import main
+
+from .conftest import SHAREGPT, make_recipe
+from .targets import BY_NAME, MATRIX, build
+
+FAMILIES = ("eagle3", "peagle", "dflash", "medusa", "mlp", "draft_model")
+EVERY_TARGET = ("eagle3", "draft_model")  # the families whose draft is shaped from the target's own layers
+CLASS_TARGETS = ("gpt-oss", "gemma3")  # MoE + sliding window + sinks; a multimodal wrapper
+SETTINGS = {
+    "eagle3": {"ttt_steps": 3, "draft_vocab_size": 512},
+    "peagle": {"depths": 3, "mask_token_id": 16, "draft_vocab_size": 512},
+    "dflash": {"block_size": 4, "num_layers": 1, "mask_token_id": 16, "draft_vocab_size": 512},
+    "medusa": {"num_heads": 3, "draft_vocab_size": 512},
+    "mlp": {"n_predict": 3, "inner_dim": 64},
+    "draft_model": {"layers": [0, 3]},
+}
+AUX = [2, 4, 6]  # below the default [2, N//2, N-3] = [2, 4, 5] of 8 layers, which repeats no id but sits close
+
+
+def combos() -> list[tuple[str, str]]:
+    everything = os.environ.get("SPECULATORS_TRAIN_MATRIX") == "all"
+    return [
+        (arch.name, family)
+        for arch in MATRIX
+        for family in FAMILIES
+        if everything or family in EVERY_TARGET or arch.name in CLASS_TARGETS
+    ]
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """Each target built once for the session (a second or two each)."""
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            done[name] = build(BY_NAME[name], tmp_path_factory.mktemp(f"target-{name}"))
+        return done[name]
+
+    return get
+
+
+def cli(argv: list, capsys=None) -> tuple[int, str]:
+    """The CLI in this process: (exit code, its standard error on one line, with `capsys`)."""
+    if capsys is not None:
+        capsys.readouterr()
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    return code, " ".join(capsys.readouterr().err.split()) if capsys is not None else ""
+
+
+def matrix_recipe(tmp: Path, target: Path, family: str, **sections) -> Path:
+    sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 24}]
+    return make_recipe(
+        tmp,
+        sources,
+        target={"name_or_path": str(target), "aux_layer_ids": AUX},
+        draft={"family": family, **SETTINGS[family]},
+        training={"epochs": 1, "batch_size": 4, "max_steps": 3, "wandb": {"mode": "disabled"}},
+        export={"dtype": "float32"},
+        eval={
+            "suites": ["eval/suites/sharegpt-held-out.yaml"],
+            "num_prompts": 1,
+            "max_new_tokens": 12,
+            "num_speculative_tokens": 3,
+        },
+        **sections,
+    )
+
+
+@pytest.fixture(scope="session")
+def generated(built, tmp_path_factory):
+    """`generate` once per target (every family reads a subset of the aux + final states it stores)."""
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            recipe = matrix_recipe(tmp_path_factory.mktemp(f"states-{name}"), built(name), "eagle3")
+            code, _ = cli(["generate", recipe])
+            assert code == 0, f"generate failed on {name}"
+            done[name] = recipe.parent / "run" / "hidden_states"
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", [arch.name for arch in MATRIX])
+def test_states_head_and_decoding_are_the_targets_own(built, name):
+    """The stored aux states are transformers' `hidden_states` at their ids, the training head built from the
+    checkpoint's tensors (the text decoder's, inside a multimodal wrapper) gives the model's logits from the stored
+    final state, and the verify loop's target-only decode is transformers' greedy decode."""
+    from speculators_train.data.chat import Chat
+    from speculators_train.proposal import Sampling
+    from speculators_train.recipe import TargetConfig
+    from speculators_train.target import TargetHead, load_head_weights, load_target
+    from speculators_train.verify.decoder import decode_plain
+
+    cfg = TargetConfig(name_or_path=str(built(name)), aux_layer_ids=AUX)
+    target = load_target(cfg)
+    prompt = Chat(target.tokenizer).prompt_ids([{"role": "user", "content": "Write a long story about a dragon."}])
+    ids = torch.tensor([prompt])
+    aux, final = target.hidden_states(ids, None)
+    with torch.no_grad():
+        out = target.model(input_ids=ids, output_hidden_states=True)
+    expected = torch.cat([out.hidden_states[i] for i in AUX], dim=-1)
+    torch.testing.assert_close(aux, expected, rtol=1e-5, atol=1e-5)
+    config, weights = load_head_weights(cfg)
+    torch.testing.assert_close(TargetHead.from_weights(config, weights)(final), out.logits, rtol=1e-5, atol=1e-4)
+    if name in NO_LOOP:  # the loop refuses it (test_recurrent_targets_are_refused_by_the_loop_before_any_work)
+        return
+    new = 40  # past the sliding windows (16 wide) of the targets that have them
+    with torch.no_grad():
+        reference = target.model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    assert decode_plain(target, prompt, new, set(), Sampling()).tokens == reference[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(("name", "family"), combos(), ids=[f"{n}-{f}" for n, f in combos()])
+def test_every_stage_runs_for_every_family(built, generated, tmp_path, capsys, name, family):
+    """data, train, export and verify in the CLI (generate: once per target, above), or a refusal naming the
+    reason before any work; verify's greedy output is the target's own."""
+    recipe = matrix_recipe(tmp_path, built(name), family)
+    refusal = REFUSED.get((name, family))
+    code, err = cli(["data", recipe], capsys)
+    if refusal is not None:
+        assert code == 2 and refusal in err, err
+        return
+    assert code == 0, err
+    shutil.copytree(generated(name), tmp_path / "run" / "hidden_states")
+    for stage in (["train", recipe], ["export", recipe, "--force"], ["verify", recipe, "--out", tmp_path / "verify"]):
+        code, err = cli(stage, capsys)
+        if stage[0] == "verify" and name in NO_LOOP:
+            assert code == 2 and "recurrent state" in err and "--engine vllm" in err, err
+            return
+        assert code == 0, f"{name} {family}: {stage[0]}: {err}"
+    (record,) = json.loads((tmp_path / "verify" / "results.json").read_text())
+    assert record["greedy_identical_outputs"] == "1/1", record
+
+
+# Families refused for a target at recipe load, with the reason the refusal names.
+REFUSED = {("qwen2.5-vl", "draft_model"): "(Qwen2_5_VLTextConfig) has no causal-LM class"}
+NO_LOOP = {"qwen3-next"}  # hybrid linear attention: the verify loop refuses it at once
+
+
+def load(built, name: str):
+    from speculators_train.recipe import TargetConfig
+    from speculators_train.target import load_target
+
+    return load_target(TargetConfig(name_or_path=str(built(name)), aux_layer_ids=AUX))
+
+
+def fitted_draft(target, tmp: Path, family: str):
+    """(family, draft placed on the target, prompt): a draft of `family` fitted to the target's first 48 reply
+    tokens (conftest.fit)."""
+    from speculators_train.families.drafts import load_draft
+
+    from .conftest import fit
+
+    _, checkpoint, prompt, _ = fit(target, tmp, family)
+    loaded = load_draft(checkpoint, target.num_layers)
+    loaded.family.attach_target(loaded.draft, target.embed_tokens.weight, loaded.has_embedding)
+    return loaded.family, loaded.family.place(loaded.draft, target.device, target.dtype), prompt
+
+
+def decodes_exactly(target, fitted, trees: bool) -> None:
+    """A fitted draft (`fitted_draft`) decodes 64 tokens with the chain (and a tree): its drafts are accepted, then
+    rejected past what it was fitted to, and the output must be the target-only greedy decode."""
+    from speculators_train.proposal import Sampling, TreeSpec
+    from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain
+
+    fam, draft, prompt = fitted
+    reference = decode_plain(target, prompt, 64, set(), Sampling()).tokens
+    for tree in (None, TreeSpec(2, 3, 6)) if trees else (None,):
+        decoder = SpeculativeDecoder(target, fam.proposer(draft, target), Sampling(), 3, tree)
+        out = decoder.generate(prompt, 64, set())
+        assert out.tokens == reference, (fam.name, tree)
+        assert 0 < sum(out.accepted) < 3 * len(out.accepted), "drafts must be both accepted and rejected"
+
+
+@pytest.mark.parametrize("name", [arch.name for arch in MATRIX if arch.name not in NO_LOOP])
+def test_accepted_and_rejected_drafts_leave_the_targets_greedy_output(built, tmp_path, name):
+    """An EAGLE-3 draft fitted to the target's reply: chain and tree verification roll the cache back past
+    rejected drafts (sliding-window and chunked layers keep every key; the tree's mask applies their window), and
+    64 tokens (past every 16-wide window here) are the target's own."""
+    target = load(built, name)
+    decodes_exactly(target, fitted_draft(target, tmp_path, "eagle3"), trees=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_decodes_exactly_on_a_moe_sliding_window_target(built, tmp_path, family):
+    """gpt-oss: MoE, attention sinks, a sliding window on every other layer, the harmony template. Greedy: the
+    target's output; T=1 over 200 seeds with sampled drafts: the first token and the one after the most common
+    first token follow the target's distributions within 4x sampling noise (accepted drafts, residuals, bonus)."""
+    from speculators_train.packed import packed_linears
+    from speculators_train.proposal import Sampling
+    from speculators_train.verify.decoder import SpeculativeDecoder, verify_width
+    from speculators_train.verify.sampling import target_probs
+
+    from .test_sampling_rules import tv, tv_threshold
+    from .test_verify import PrefilledOnce
+
+    target = load(built, "gpt-oss")
+    fam, draft, prompt = fitted = fitted_draft(target, tmp_path, family)
+    decodes_exactly(target, fitted, trees=family == "eagle3")
+    out = []
+    with packed_linears([target.model], verify_width(2, None)):
+        runner = PrefilledOnce(target, prompt, fam.proposer(draft, target).states)
+        for seed in range(200):
+            decoder = SpeculativeDecoder(target, fam.proposer(draft, target), Sampling(1.0, draft_sampling="sample"), 2)
+            decoder.runner = runner
+            out.append(decoder.generate(prompt, 2, set(), torch.Generator().manual_seed(seed)))
+
+    def follows(prefix: list[int], samples: list[int]) -> None:
+        with torch.no_grad():
+            p = target_probs(target.model(torch.tensor([prefix])).logits[0, -1], Sampling(1.0))
+        assert tv(samples, p) < tv_threshold(p, len(samples))
+
+    firsts = [r.tokens[0] for r in out]
+    follows(prompt, firsts)
+    common = max(set(firsts), key=firsts.count)
+    seconds = [r.tokens[1] for r in out if r.tokens[0] == common]
+    if len(seconds) >= 60:
+        follows([*prompt, common], seconds)
+
+
+def test_a_tree_sees_what_each_layer_type_sees(built):
+    """The tree's mask per layer type: full attention sees every cached key; a sliding layer only the last
+    `window` positions before a node (by the node's position, start + depth); a chunked layer its own chunk."""
+    from speculators_train.proposal import DraftTree
+    from speculators_train.verify.decoder import TargetRunner
+
+    runner = TargetRunner(load(built, "gpt-oss"))
+    tree = DraftTree(tokens=[5, 6, 7], parents=[-1, 0, -1], depths=[1, 2, 1])
+    masks = runner._tree_mask(40, tree)
+    assert set(masks) == {"full_attention", "sliding_attention"}
+    seen = {kind: (mask[0, 0] == 0) for kind, mask in masks.items()}
+    full, sliding = seen["full_attention"], seen["sliding_attention"]
+    assert full[2, :41].all() and full[2, 41] and full[2, 42] and not full[2, 43]  # node 2 (depth 2): its path
+    window = runner.target.text_config.sliding_window
+    for node, position in enumerate([40, 41, 42, 41]):
+        assert sliding[node, : position - window + 1].sum() == 0  # older than the window
+        assert sliding[node, position - window + 1 : 40].all()  # the cache inside it
+    runner.kinds, runner.windows = ["chunked_attention"], {"chunked_attention": ("chunk", 16)}
+    chunked = runner._tree_mask(40, tree)[0, 0] == 0
+    assert not chunked[0, :32].any() and chunked[0, 32:41].all()  # position 40 is in the chunk 32..47
+
+
+def test_recurrent_targets_are_refused_by_the_loop_before_any_work(built, tmp_path, capsys):
+    """Qwen3-Next's linear-attention layers keep a state cropping cannot roll back: `verify` refuses it before
+    loading anything, and says which engine serves it."""
+    recipe = matrix_recipe(tmp_path, built("qwen3-next"), "eagle3")
+    code, err = cli(["verify", recipe], capsys)
+    assert code == 2 and "linear_attention layers keep a recurrent state" in err and "--engine vllm" in err, err
+
+
+# vLLM's CPU build per architecture class it runs: MoE with attention sinks and a sliding window (gpt-oss), and a
+# multimodal model's text decoder with chunked attention and MoE (Llama-4's; vLLM's block size is 128, so its chunk
+# is 128 here). The multimodal wrappers themselves need torchvision, which the CPU build does not install.
+VLLM_CLASSES = {"gpt-oss": {}, "llama4": {"attention_chunk_size": 128}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(VLLM_CLASSES))
+def test_vllm_serves_the_printed_eagle3_line_on_each_architecture_class(tmp_path, capsys, name):
+    """What only this proves: vLLM's own model classes for these architectures read our EAGLE-3 export's aux
+    layers from the target and decode with the target-only greedy output (two engine starts each)."""
+    from dataclasses import replace
+
+    from speculators_train.engines.vllm import Engine
+    from speculators_train.families.drafts import load_draft
+
+    from .conftest import fit
+    from .targets import text_decoder_folder
+    from .test_vllm import printed_speculative_config
+
+    arch = BY_NAME[name]
+    folder = build(replace(arch, config={**arch.config, **VLLM_CLASSES[name]}), tmp_path / "target")
+    if name == "llama4":
+        folder = text_decoder_folder(folder, tmp_path / "text")
+    target = load(lambda _: folder, name)
+    checkpoint, prompt = fit(target, tmp_path / "fit", "eagle3")[1:3]
+    recipe = matrix_recipe(tmp_path, folder, "eagle3")
+    out = tmp_path / "export"
+    spec = printed_speculative_config(
+        capsys, ["export", str(recipe), "--checkpoint", str(checkpoint), "--out", str(out), "--dtype", "float32"]
+    )
+    assert load_draft(out, target.num_layers).family.name == "eagle3"
+    with Engine(str(folder)) as engine:
+        alone = engine.generate([prompt], 48, 0.0, 1.0, [0]).completions[0].tokens
+    with Engine(str(folder), spec) as engine:
+        decoded = engine.generate([prompt], 48, 0.0, 1.0, [0])
+    assert decoded.completions[0].tokens == alone
+    assert decoded.counts.drafts > 0 and decoded.counts.accepted > 0, decoded.counts
