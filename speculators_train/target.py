@@ -322,10 +322,27 @@ def meta_model(config, trust_remote_code: bool = False) -> nn.Module:
     """The target's model built from its config on the meta device: its modules, names and tied weights, no
     memory."""
     cls = model_class(config, trust_remote_code)
-    with torch.device("meta"):
+    with torch.device("meta"), _without_zero3_init():
         if hasattr(cls, "from_config"):  # an Auto class
             return cls.from_config(config, trust_remote_code=trust_remote_code)
         return cls._from_config(config)
+
+
+@contextlib.contextmanager
+def _without_zero3_init() -> Iterator[None]:
+    """Under a live ZeRO-3 config transformers builds every model inside `deepspeed.zero.Init`, which partitions
+    and initialises weights: a meta-device model has none to copy. Hide the config while the meta model is built."""
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:
+        yield
+        return
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def _checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
