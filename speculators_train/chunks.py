@@ -24,14 +24,12 @@ def chunked(fn: Callable[..., tuple[torch.Tensor, ...]], rows: int, *tensors: to
     chunk is checkpointed: the backward pass recomputes the chunk's logits from its inputs instead of keeping them."""
     length = tensors[0].shape[1]
     outs = []
-    for start in range(0, length, rows):
+    for start in range(0, max(length, 1), rows):  # an empty length runs `fn` once on empty slices: zero sums
         parts = [t[:, start : start + rows] for t in tensors]
         if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
             outs.append(checkpoint(fn, *parts, use_reentrant=False))
         else:
             outs.append(fn(*parts))
-    if not outs:  # nothing to score: zero sums, empty flags
-        return tuple(torch.zeros((), device=tensors[0].device) for _ in range(2))
     return tuple(
         torch.stack([o[k] for o in outs]).sum(0) if outs[0][k].dim() == 0 else torch.cat([o[k] for o in outs], dim=1)
         for k in range(len(outs[0]))
