@@ -40,14 +40,14 @@ def _recipe(args: argparse.Namespace, target: bool = True) -> Recipe:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    """Read the recipe's data mix, render it with the target's chat template (its tokenizer only, no weights) and
-    report record, sample and token counts and every skip."""
+    """Read the recipe's data mix, render it with the target's chat template (its tokenizer, and a multimodal
+    target's processor; no weights) and report record, sample and token counts and every skip."""
     from speculators_train.data.splits import load_splits, rendered_counts
-    from speculators_train.target import load_tokenizer
+    from speculators_train.target import load_processor, load_tokenizer
 
     recipe = _recipe(args)
     splits = load_splits(recipe)
-    rendered = rendered_counts(recipe, splits, load_tokenizer(recipe.target))
+    rendered = rendered_counts(recipe, splits, load_tokenizer(recipe.target), *load_processor(recipe.target))
     counts = {
         "train": len(splits.train),
         "held_out": len(splits.held_out),

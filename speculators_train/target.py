@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from speculators_train.architectures import model_class, text_config, text_decoder
+from speculators_train.architectures import is_composite, model_class, text_config, text_decoder
 from speculators_train.chunks import chunk_rows, chunked
 from speculators_train.errors import UserError
 from speculators_train.loading import describe, open_tensors, reading
@@ -80,6 +80,8 @@ class Target:
     aux_layer_ids: list[int]
     device: torch.device
     cpu_packed_weights: bool = False
+    processor: object = None  # a multimodal target's processor (images -> tokens and pixel values); None otherwise
+    no_images: str = ""  # why a multimodal target has no processor (`load_processor`); "" when it has one or is text
     _decoder: nn.Module = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -120,9 +122,21 @@ class Target:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    def chat(self, kwargs=None):
+        """The target's chat template as an engine applies it (`data.chat_template_kwargs`), reading images through
+        its processor."""
+        from speculators_train.data.chat import Chat
+
+        return Chat(self.tokenizer, kwargs or {}, self.processor, self.no_images)
+
+    @property
+    def reads_images(self) -> bool:
+        """A multimodal target (with or without a loadable processor): its records' images are part of the input."""
+        return self.processor is not None or bool(self.no_images)
+
     @property
     def chat_template(self) -> str:
-        template = getattr(self.tokenizer, "chat_template", None)
+        template = getattr(self.tokenizer, "chat_template", None) or getattr(self.processor, "chat_template", None)
         if not template:
             raise UserError(f"target {self.name_or_path}: tokenizer has no chat template")
         return template
@@ -140,7 +154,9 @@ class Target:
         return self.model.get_output_embeddings()
 
     def identity(self) -> dict:
-        """What must match for two sets of hidden states to be mixed."""
+        """What must match for two sets of hidden states to be mixed (the image processor's settings named only where
+        there is one, so a text target's sets still resume)."""
+        image_processor = getattr(self.processor, "image_processor", None)
         return {
             "name_or_path": self.name_or_path,
             "architecture": type(self.model).__name__,
@@ -149,6 +165,7 @@ class Target:
             "vocab_size": self.vocab_size,
             "tokenizer_hash": self.tokenizer_hash(),
             "chat_template_hash": _stable_hash(self.chat_template),
+            **({"image_processor_hash": _stable_hash(image_processor.to_json_string())} if image_processor else {}),
         }
 
     def tokenizer_hash(self) -> str:
@@ -201,18 +218,38 @@ class Target:
 
     @torch.inference_mode()
     def hidden_states(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, spec: StateSpec | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        spec: StateSpec | None = None,
+        vision: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Aux states concatenated in id order [B, T, len(ids)*H] (None when `spec` reads none) and the pre-norm
-        final state [B, T, H]; `spec` defaults to `stored_states`.
+        final state [B, T, H]; `spec` defaults to `stored_states`. `vision`: the processor's tensors for the images
+        in `input_ids` (`data/render.py`).
 
-        Runs the decoder body only: the lm_head (a vocab-sized matmul) is not needed to store states. Inputs go
-        to the target's device; the states stay there.
+        Runs the decoder body only where there are no images: the lm_head (a vocab-sized matmul) is not needed to
+        store states. With images the whole multimodal model runs (its vision tower puts the image features at the
+        image tokens and, for M-RoPE, sets positions from the image grids), its head on the last position alone.
+        Inputs go to the target's device; the states stay there.
         """
         spec = StateSpec((spec or self.stored_states).aux_layer_ids, final=True)
         with self.capture(spec) as store:
             mask = attention_mask.to(self.device) if attention_mask is not None else None  # None: no padding
-            self._decoder(input_ids=input_ids.to(self.device), attention_mask=mask, use_cache=False)
+            if vision:
+                tensors = {
+                    k: v.to(self.device, self.dtype) if v.is_floating_point() else v.to(self.device)
+                    for k, v in vision.items()
+                }
+                self.model(
+                    input_ids=input_ids.to(self.device),
+                    attention_mask=mask,
+                    use_cache=False,
+                    logits_to_keep=1,
+                    **tensors,
+                )
+            else:
+                self._decoder(input_ids=input_ids.to(self.device), attention_mask=mask, use_cache=False)
         aux = self.gathered(store, StateSpec(spec.aux_layer_ids)) if spec.aux_layer_ids else None
         return aux, store["final"]
 
@@ -444,6 +481,28 @@ def load_target_config(cfg: TargetConfig):
         raise UserError(f"could not read the config of target {cfg.name_or_path!r}: {describe(exc)}") from None
 
 
+def load_processor(cfg: TargetConfig, config=None) -> tuple[object, str]:
+    """A multimodal target's processor (its image processor and the tokenizer) and "", or None and why it has none:
+    "" for a text-only target (its records' images are dropped, their text kept); the reason for a multimodal one
+    whose processor cannot be loaded (its records with images are then skipped with that reason: their text alone
+    is not what the served model reads)."""
+    from transformers import AutoProcessor
+
+    config = config if config is not None else load_target_config(cfg)
+    if not is_composite(config):
+        return None, ""
+    source, _ = resolve_source(cfg)
+    try:
+        processor = AutoProcessor.from_pretrained(
+            source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        )
+    except Exception as exc:  # e.g. a video processor that needs torchvision, a checkpoint without processor files
+        return None, f"its processor could not be loaded: {describe(exc)[:200]}"
+    if getattr(processor, "image_processor", None) is None:
+        return None, "it ships no image processor"
+    return processor, ""
+
+
 def load_tokenizer(cfg: TargetConfig):
     """The target's tokenizer (with its chat template) alone: what rendering the data needs."""
     from transformers import AutoTokenizer
@@ -470,9 +529,11 @@ def load_target(cfg: TargetConfig, weights: bool = True) -> Target:
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         config = AutoConfig.from_pretrained(source, **kwargs)
+        processor, no_images = load_processor(cfg, config)
         if not weights:
             model = meta_model(config, cfg.trust_remote_code)
-            return _target(cfg, model.eval().requires_grad_(False), tokenizer, hub_id, torch.device("meta"))
+            meta = torch.device("meta")
+            return _target(cfg, model.eval().requires_grad_(False), tokenizer, hub_id, meta, processor, no_images)
         # safetensors only, hub ids too: a pickled checkpoint is never unpickled here.
         model, info = model_class(config, cfg.trust_remote_code).from_pretrained(
             source, config=config, dtype=dtype, use_safetensors=True, output_loading_info=True, **kwargs
@@ -493,10 +554,18 @@ def load_target(cfg: TargetConfig, weights: bool = True) -> Target:
             "and the weights are of different models"
         )
     model.to(device).eval().requires_grad_(False)
-    return _target(cfg, model, tokenizer, hub_id, device)
+    return _target(cfg, model, tokenizer, hub_id, device, processor, no_images)
 
 
-def _target(cfg: TargetConfig, model: nn.Module, tokenizer, hub_id: str | None, device: torch.device) -> Target:
+def _target(
+    cfg: TargetConfig,
+    model: nn.Module,
+    tokenizer,
+    hub_id: str | None,
+    device: torch.device,
+    processor=None,
+    no_images: str = "",
+) -> Target:
     num_layers = len(text_decoder(model).layers)
     ids = cfg.aux_layer_ids or default_aux_layer_ids(num_layers)
     return Target(
@@ -507,4 +576,6 @@ def _target(cfg: TargetConfig, model: nn.Module, tokenizer, hub_id: str | None, 
         aux_layer_ids=list(ids),
         device=device,
         cpu_packed_weights=cfg.cpu_packed_weights,
+        processor=processor,
+        no_images=no_images,
     )

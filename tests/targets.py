@@ -113,6 +113,26 @@ GEMMA = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
 )
+# Gemma-3: Gemma's turns, with content as text or as parts, an image part written as its start-of-image token (which
+# the processor expands into the image's tokens).
+GEMMA3 = (
+    "{{- bos_token }}"
+    "{%- if messages[0].role == 'system' %}{%- set prefix = messages[0].content + '\\n\\n' %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set prefix = '' %}"
+    "{%- set loop_messages = messages %}{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- if (message.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
+    "{%- set role = 'model' if message.role == 'assistant' else message.role %}"
+    "{{- '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') }}"
+    "{%- if message.content is string %}{{- message.content | trim }}"
+    "{%- else %}{%- for part in message.content %}"
+    "{%- if part.type == 'image' %}{{- '<start_of_image>' }}{%- elif part.type == 'text' %}{{- part.text | trim }}"
+    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<end_of_turn>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+)
 
 # Phi-3: the end-of-sequence token closes a conversation rendered without a generation prompt.
 PHI3 = (
@@ -184,6 +204,9 @@ TEMPLATES = {
     "gemma": Template(
         GEMMA, ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"), ("<end_of_turn>", "<eos>"), bos="<bos>"
     ),
+    "gemma3": Template(
+        GEMMA3, ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"), ("<end_of_turn>", "<eos>"), bos="<bos>"
+    ),
     "phi3": Template(PHI3, ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"), ("<|endoftext|>", "<|end|>")),
     "harmony": Template(
         HARMONY,
@@ -245,7 +268,7 @@ MATRIX = [
     Arch(
         "gemma3",
         "gemma3",
-        "gemma",
+        "gemma3",
         {"sliding_window": 16},
         ("multimodal wrapper", "sliding window"),
     ),
@@ -365,6 +388,23 @@ VISION_CONFIGS = {
 }
 
 
+def gemma3_processor(out: Path) -> None:
+    """Gemma-3's processor beside its tokenizer: 56-pixel images, each read as `mm_tokens_per_image` (4) tokens
+    between its start and end tokens, as the released processor writes 256."""
+    from transformers import AutoTokenizer, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    names = ("boi_token", "eoi_token", "image_token")
+    tokenizer = AutoTokenizer.from_pretrained(out, **dict(zip(names, IMAGE_TOKENS["gemma3"].values(), strict=True)))
+    image_processor = Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+    Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4).save_pretrained(out)
+
+
+# Processors the matrix ships (Qwen2.5-VL's and Llama-4's need torchvision, which is not installed: those targets
+# stand for a multimodal checkpoint whose processor cannot be loaded).
+PROCESSORS = {"gemma3": gemma3_processor}
+
+
 def base_tokenizer_dir() -> str:
     """SmolLM2's tokenizer, from the embedded default target (converted once into the cache)."""
     from speculators_train.sources import TargetConfig, resolve_source
@@ -434,6 +474,8 @@ def build(arch: Arch, out: Path) -> Path:
     generation.pad_token_id = config.get_text_config().pad_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if arch.model_type in PROCESSORS:
+        PROCESSORS[arch.model_type](out)
     (out / "matrix.json").write_text(json.dumps({"name": arch.name, "classes": list(arch.classes)}))
     return out
 

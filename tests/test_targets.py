@@ -329,3 +329,134 @@ def test_vllm_serves_the_printed_eagle3_line_on_each_architecture_class(tmp_path
         decoded = engine.generate([prompt], len(reply), 0.0, 1.0, [0])
     assert decoded.completions[0].tokens == reply
     assert decoded.counts.drafts > 0 and decoded.counts.accepted > 0, decoded.counts
+
+
+def _png(color: tuple[int, int, int], size: tuple[int, int] = (64, 48)) -> bytes:
+    import io
+
+    from PIL import Image
+
+    image = Image.new("RGB", size, color)
+    for x in range(0, size[0], 8):  # a pattern, so the vision tower's features vary across the image
+        image.putpixel((x, x % size[1]), (255 - color[0], 255 - color[1], 255 - color[2]))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def image_records(folder: Path) -> Path:
+    """A JSONL of OpenAI-style records with images: a data URL beside text, a file path relative to the data file in
+    an image-only turn of a two-turn record, and a data URL that is not an image."""
+    import base64
+
+    (folder / "pics").mkdir(parents=True, exist_ok=True)
+    (folder / "pics" / "blue.png").write_bytes(_png((20, 40, 220)))
+    red = "data:image/png;base64," + base64.b64encode(_png((220, 30, 30))).decode()
+
+    def image(url: str) -> dict:
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    records = [
+        {
+            "id": "red",
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "What colour is this?"}, image(red)]},
+                {"role": "assistant", "content": "Red, with a few pale dots along a diagonal line."},
+            ],
+        },
+        {
+            "id": "blue",
+            "messages": [
+                {"role": "user", "content": [image("pics/blue.png")]},
+                {"role": "assistant", "content": "A blue rectangle."},
+                {"role": "user", "content": "Is it a square?"},
+                {"role": "assistant", "content": "No: it is wider than it is tall."},
+            ],
+        },
+        {
+            "id": "broken",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "And this?"}, image("data:image/png;base64,AAAA")],
+                },
+                {"role": "assistant", "content": "Nothing I can read."},
+            ],
+        },
+    ]
+    path = folder / "images.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+IMAGE_SKIPS = ("bad_image", "non_text_content", "no_image_processor")
+
+
+def test_records_with_images_reach_the_target_through_its_processor(built, tmp_path, capsys):
+    """Records with images (OpenAI `image_url` parts: a data URL, a file beside the data) on a multimodal target
+    with its processor: `generate` stores the states the whole model computes with the images' pixel values (each
+    placeholder expanded into the image's tokens, which the mask never covers); an unreadable image is a counted
+    skip. On a text-only target their text is read and a turn of images alone is skipped; on a multimodal target
+    whose processor cannot be loaded, every record with images is skipped with that reason."""
+    from transformers import AutoProcessor
+    from transformers.image_utils import load_image
+
+    from speculators_train.hidden_states.shards import HiddenStateShards
+    from speculators_train.recipe import TargetConfig
+    from speculators_train.target import load_target
+
+    data = image_records(tmp_path / "data")
+    sources = [{"name": "pictures", "path": str(data)}, {"name": "sharegpt", "path": SHAREGPT, "max_records": 6}]
+
+    def recipe(name: str) -> Path:
+        target = {"name_or_path": str(built(name)), "aux_layer_ids": AUX}
+        return make_recipe(tmp_path / name, sources, target=target, draft={"family": "eagle3", **SETTINGS["eagle3"]})
+
+    skips = {
+        "gemma3": {"bad_image": 1},
+        "gemma3-text": {"non_text_content": 1},
+        "qwen2.5-vl": {"no_image_processor": 3},
+    }
+    for name, expected in skips.items():
+        capsys.readouterr()
+        try:
+            main(["data", str(recipe(name))])
+        except SystemExit as exc:
+            assert not exc.code, capsys.readouterr().err
+        skipped = json.loads(capsys.readouterr().out.splitlines()[-1])["skipped"]
+        assert {k: n for k, n in skipped.items() if k in IMAGE_SKIPS} == expected, name
+    rec = recipe("gemma3")
+    code, err = cli(["generate", rec], capsys)
+    assert code == 0, err
+    samples = {}
+    for split in ("train", "held_out"):
+        shards = HiddenStateShards(rec.parent / "run" / "hidden_states", split)
+        samples.update({s["id"]: s for s in (shards[i] for i in range(len(shards)))})
+    assert {"pictures:red", "pictures:blue"} <= set(samples) and not any(
+        s.startswith("pictures:broken") for s in samples
+    )
+    target = load_target(TargetConfig(name_or_path=str(built("gemma3")), aux_layer_ids=AUX))
+    processor = AutoProcessor.from_pretrained(built("gemma3"))
+    image_token = target.tokenizer.convert_tokens_to_ids("<image_soft_token>")
+    records = {r["id"]: r["messages"] for r in map(json.loads, data.read_text().splitlines())}
+    for name in ("red", "blue"):
+        sample, messages = samples[f"pictures:{name}"], records[name]
+        ids, mask = sample["input_ids"], sample["loss_mask"]
+        is_image = ids == image_token
+        assert int(is_image.sum()) == 4 and not mask[is_image].any()  # one image of mm_tokens_per_image tokens
+        parts = [p for m in messages if isinstance(m["content"], list) for p in m["content"]]
+        urls = [p["image_url"]["url"] for p in parts if p["type"] == "image_url"]
+        images = [load_image(u if u.startswith("data:") else str(data.parent / u)) for u in urls]
+        for m in messages:
+            if isinstance(m["content"], list):
+                m["content"] = [{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]
+        text = processor.apply_chat_template(messages, tokenize=False)
+        inputs = processor(text=[text], images=images, add_special_tokens=False, return_tensors="pt")
+        assert inputs["input_ids"][0].tolist() == ids.tolist()  # the processor's expansion, every turn in one sample
+        with torch.no_grad():
+            out = target.model(**inputs, output_hidden_states=True)
+            plain = target.model(input_ids=ids[None], output_hidden_states=True)
+        expected = torch.cat([out.hidden_states[i][0] for i in AUX], dim=-1)
+        torch.testing.assert_close(sample["aux_hidden_states"], expected, rtol=1e-5, atol=1e-5)
+        after = int(is_image.nonzero()[-1]) + 1  # past the image, the states depend on its pixels
+        assert not torch.allclose(sample["hidden_state"][after:], plain.hidden_states[-1][0, after:], atol=1e-3)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from speculators_train.data.conversations import REASONING_FIELDS
+from speculators_train.data.conversations import REASONING_FIELDS, has_images
 
 # Stand-in text for a reply: the first candidate that the reply itself does not contain.
 STAND_INS = ("§", "¤", "¶", "\u2063")
@@ -36,18 +36,20 @@ STAND_INS = ("§", "¤", "¶", "\u2063")
 HEADER_WINDOW = 512
 
 
-def template_messages(messages: tuple[dict[str, str], ...] | list[dict[str, str]]) -> list[dict[str, str]]:
+def template_messages(messages, images: bool = False) -> list[dict[str, Any]]:
     """Messages as chat templates read them: a reply's reasoning under every key a template reads it from (Qwen3 and
-    DeepSeek `reasoning_content`, gpt-oss `thinking`, vLLM's `reasoning`)."""
+    DeepSeek `reasoning_content`, gpt-oss `thinking`, vLLM's `reasoning`); with `images`, a turn with images as its
+    content parts (`{"type": "image"}` where the template writes the image's placeholder), else its text."""
     out = []
     for message in messages:
+        content: Any = message["content"]
+        if images and has_images(message):
+            content = [{"type": "image"} if p["type"] == "image" else p for p in message["parts"]]
         reasoning = message.get("reasoning")
         if reasoning is None:
-            out.append({"role": message["role"], "content": message["content"]})
+            out.append({"role": message["role"], "content": content})
         else:
-            out.append(
-                {"role": message["role"], "content": message["content"], **dict.fromkeys(REASONING_FIELDS, reasoning)}
-            )
+            out.append({"role": message["role"], "content": content, **dict.fromkeys(REASONING_FIELDS, reasoning)})
     return out
 
 
@@ -99,15 +101,26 @@ class Reply:
 @dataclass(frozen=True)
 class Chat:
     """The target's tokenizer with its chat template and the recipe's `data.chat_template_kwargs` (e.g.
-    `enable_thinking: false`), applied as a serving engine applies them."""
+    `enable_thinking: false`), applied as a serving engine applies them. With a multimodal target's `processor`,
+    turns with images render their images' placeholders (which the processor expands, `data/render.py`); without
+    one, their text alone, or, where a multimodal target's processor is missing, they are refused (`no_images`)."""
 
     tokenizer: Any
     kwargs: Mapping[str, Any] = field(default_factory=dict)
+    processor: Any = None
+    no_images: str = ""  # why a multimodal target's records with images cannot be read (no processor)
 
     def render(self, messages, prompt: bool) -> str:
         """The template's text for `messages`, with the generation prompt when `prompt`."""
+        # A multimodal checkpoint may keep its template with the processor alone (chat_template.jinja)
+        own = getattr(self.tokenizer, "chat_template", None)
+        template = None if own else getattr(self.processor, "chat_template", None)
         return self.tokenizer.apply_chat_template(
-            template_messages(messages), tokenize=False, add_generation_prompt=prompt, **self.kwargs
+            template_messages(messages, self.processor is not None),
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=prompt,
+            **self.kwargs,
         )
 
     def prompt_ids(self, messages) -> list[int]:

@@ -7,6 +7,7 @@ import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 ROLES = {
@@ -28,7 +29,9 @@ class Conversation:
     """A record after normalisation: `id` is `<source>:<record id>` and decides the held-out split."""
 
     id: str
-    messages: tuple[dict[str, str], ...]  # role, content, and `reasoning` on replies that carry it
+    # role, content (text), `reasoning` on replies that carry it, `parts` (text and image parts in order) on turns
+    # with images
+    messages: tuple[dict[str, Any], ...]
     origin: str  # file:line or dataset#index, for messages about this record
 
 
@@ -85,23 +88,51 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 ID_KEYS = ("id", "prompt_id", "conversation_id")
 
 
-def _content_text(content: Any) -> tuple[str | None, str]:
-    """A message's plain text, or None and the skip reason: a string, or OpenAI-style content parts.
+def _image_ref(part: dict[str, Any]) -> str | None:
+    """The image a content part points at (OpenAI `image_url` {url} or a bare string; transformers' `image` /
+    `url`), None when the part is not an image or names none."""
+    kind = part.get("type")
+    if kind == "image_url":
+        value = part.get("image_url")
+        value = value.get("url") if isinstance(value, dict) else value
+    elif kind == "image":
+        value = part.get("image", part.get("url"))
+    else:
+        return None
+    return value if isinstance(value, str) and value.strip() else None
 
-    Text parts are joined and parts of other types (images, audio) dropped, so mixed text and image parts keep their
-    text. A turn that had parts but is left with no text is `non_text_content`: training on it would teach replies
-    to an input the draft never sees (an empty user turn answered at length)."""
+
+def _content_text(content: Any) -> tuple[str | None, list[dict[str, str]] | None, str]:
+    """A message's plain text, its parts when it has images, or None and the skip reason: a string, or OpenAI-style
+    content parts.
+
+    Text parts are joined (what a text-only target reads); image parts are kept in order beside the text (what a
+    multimodal target's processor reads); other parts (audio, images that name nothing) are dropped. A turn left
+    with neither text nor an image is `non_text_content`: training on it would teach replies to an input the draft
+    never sees (an empty user turn answered at length)."""
     if isinstance(content, str):
-        return content, ""
+        return content, None, ""
     if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
-        return None, "bad_field"
+        return None, None, "bad_field"
     texts = [p.get("text") for p in content if p.get("type", "text") == "text"]
     if not all(isinstance(t, str) for t in texts):
-        return None, "bad_field"
+        return None, None, "bad_field"
     text = "".join(texts)
-    if len(texts) < len(content) and not text.strip():
-        return None, "non_text_content"
-    return text, ""
+    parts: list[dict[str, str]] = []
+    for part in content:
+        if part.get("type", "text") == "text":
+            parts.append({"type": "text", "text": part["text"]})
+        elif (ref := _image_ref(part)) is not None:
+            parts.append({"type": "image", "image": ref})
+    images = any(p["type"] == "image" for p in parts)
+    if len(texts) < len(content) and not text.strip() and not images:
+        return None, None, "non_text_content"
+    return text, parts if images else None, ""
+
+
+def has_images(message: dict[str, Any]) -> bool:
+    """Whether a normalised message carries image parts (its `parts`; `content` is its text alone)."""
+    return "parts" in message
 
 
 # Where OpenAI-style records keep a reply's reasoning, and chat templates read it (Qwen3 and DeepSeek
@@ -132,8 +163,20 @@ def _record_id(obj: dict[str, Any], messages: list[dict[str, str]]) -> str | Non
     return hashlib.sha1(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def normalize_record(obj: Any, source: str, origin: str, report: SkipReport) -> Conversation | None:
-    """ShareGPT (`conversations` of from/value) or OpenAI/UltraChat (`messages` of role/content) -> Conversation."""
+def _resolved(part: dict[str, str], base: Path) -> dict[str, str]:
+    """An image part whose reference is a relative file path, made absolute against the data file's folder (where
+    the user keeps the images beside it); URLs, data URLs and absolute paths as they are."""
+    ref = part.get("image")
+    if ref is None or ref.startswith(("data:", "http://", "https://", "file://")) or Path(ref).is_absolute():
+        return part
+    return {**part, "image": str(base / ref)}
+
+
+def normalize_record(
+    obj: Any, source: str, origin: str, report: SkipReport, base: Path | None = None
+) -> Conversation | None:
+    """ShareGPT (`conversations` of from/value) or OpenAI/UltraChat (`messages` of role/content) -> Conversation.
+    `base`: the data file's folder, against which relative image paths are read."""
     if not isinstance(obj, dict):
         report.skip("not_an_object", f"{origin} ({type(obj).__name__})")
         return None
@@ -163,21 +206,25 @@ def normalize_record(obj: Any, source: str, origin: str, report: SkipReport) -> 
             shown = repr(raw_role[:40]) if isinstance(raw_role, str) else type(raw_role).__name__
             report.skip("unknown_role", f"{origin} turn {n} role={shown}")
             return None
-        text, reason = _content_text(turn.get(text_key, turn.get("content", turn.get("value"))))
+        text, parts, reason = _content_text(turn.get(text_key, turn.get("content", turn.get("value"))))
         if text is None:
             what = "has only non-text parts" if reason == "non_text_content" else f"field={text_key} is not text"
             report.skip(reason, f"{origin} turn {n} {what}")
             return None
         reasoning = _reasoning(turn) if role == "assistant" else None
-        if _SURROGATE.search(text) or (reasoning and _SURROGATE.search(reasoning)):
+        refs = [p["image"] for p in parts or () if p["type"] == "image"]
+        if _SURROGATE.search(text) or (reasoning and _SURROGATE.search(reasoning)) or any(map(_SURROGATE.search, refs)):
             report.skip("lone_surrogate", f"{origin} turn {n}")
             return None
-        messages.append({"role": role, "content": text, **({"reasoning": reasoning} if reasoning else {})})
+        message = {"role": role, "content": text, **({"reasoning": reasoning} if reasoning else {})}
+        messages.append({**message, "parts": parts} if parts is not None else message)
     if not any(m["role"] == "assistant" for m in messages):
         report.skip("no_assistant_turn", origin)
         return None
-    rid = _record_id(obj, messages)
+    rid = _record_id(obj, messages)  # before paths are resolved: a moved data folder keeps its ids and split
     if rid is None:
         report.skip("lone_surrogate", f"{origin} id")
         return None
+    if base is not None:
+        messages = [{**m, "parts": [_resolved(p, base) for p in m["parts"]]} if has_images(m) else m for m in messages]
     return Conversation(id=f"{source}:{rid}", messages=tuple(messages), origin=origin)

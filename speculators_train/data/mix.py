@@ -94,16 +94,16 @@ def read_source(mix: MixConfig, source: SourceConfig, report: SkipReport) -> lis
     file this process has already read with the same bytes is not parsed again; its skips are reported again."""
     if source.path is None:
         raw = read_datasets(source.hub, source.subset, source.split, streaming=source.streaming)
-        return _normalized(raw, source, report)
+        return _normalized(raw, source, report, None)
     path = mix.resolve_path(source.path, f"sources.{source.name}.path")
     digest = _digest(path, source.path)
-    key = (source.name, source.path, digest)
+    key = (source.name, str(path.resolve()), digest)  # a record's relative image paths are read from its folder
     if digest is not None and key in _READ:
         _READ.move_to_end(key)
         conversations, skipped = _READ[key]
     else:
         skipped = SkipReport()
-        conversations = _normalized(read_file(path, skipped, label=source.path), source, skipped)
+        conversations = _normalized(read_file(path, skipped, label=source.path), source, skipped, path.resolve().parent)
         if digest is not None:
             _READ[key] = (conversations, skipped)
             while len(_READ) > _READ_FILES:
@@ -112,11 +112,13 @@ def read_source(mix: MixConfig, source: SourceConfig, report: SkipReport) -> lis
     return list(conversations)
 
 
-def _normalized(raw: Iterable[Record], source: SourceConfig, report: SkipReport) -> list[Conversation]:
+def _normalized(
+    raw: Iterable[Record], source: SourceConfig, report: SkipReport, base: Path | None
+) -> list[Conversation]:
     seen: set[str] = set()
     out: list[Conversation] = []
     for record, origin in raw:
-        conv = normalize_record(record, source.name, origin, report)
+        conv = normalize_record(record, source.name, origin, report, base)
         if conv is None:
             continue
         if conv.id in seen:

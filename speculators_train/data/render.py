@@ -15,17 +15,25 @@ characters with the reply's first ones, starts a new sample at that turn. So eve
 the tokens an engine would have in context. A reply's character spans map to its tokens through the fast
 tokenizer's offsets: a token is trained on when it overlaps the span (its first token may carry the space before
 it).
+
+A turn with images, for a multimodal target, renders its images' placeholders; each prompt that holds images is
+tokenised by the target's processor, which expands every placeholder into the image's tokens as the served model
+reads them, and whose pixel values go with the sample to the target's forward. Image tokens sit in prompts, so the
+mask never covers them. A text-only target reads such a turn's text, and a record with a turn of images alone is
+skipped (`non_text_content`).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from speculators_train.data.chat import Chat, EmptyReply
-from speculators_train.data.conversations import Conversation, SkipReport
+from speculators_train.data.conversations import Conversation, SkipReport, has_images
+from speculators_train.loading import describe
 
 # A text longer than this many head windows (`max_length + 1` tokens of the longest length) is tokenised by its head
 # alone; shorter ones whole.
@@ -38,6 +46,8 @@ class Sample:
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] bool, True on what the model writes: replies + end-of-turn tokens
     record: str = ""  # the record's id (what decides the held-out split); the sample's id when empty
+    # The processor's tensors for the sample's images (pixel values, grid sizes) as the target's forward takes them
+    vision: dict[str, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.record = self.record or self.id
@@ -51,6 +61,56 @@ class _Tokens:
     mask: list[bool] = field(default_factory=list)
     complete: bool = True
     through: list[int] = field(default_factory=list)  # ids through the last reply's end-of-turn token
+    vision: dict[str, torch.Tensor] | None = None  # the processor's tensors for every image in the sample
+
+
+class BadImage(ValueError):
+    """An image part that cannot be read (a missing file, an unreachable URL, bytes that are not an image)."""
+
+
+class NoImageProcessor(BadImage):
+    """Images for a multimodal target whose processor could not be loaded."""
+
+
+def _images(conv: Conversation) -> list:
+    """The conversation's images in order, as RGB pictures (transformers' reader: data URLs, files, http)."""
+    from transformers.image_utils import load_image
+
+    out = []
+    for n, message in enumerate(conv.messages):
+        for part in message.get("parts", ()):
+            if part["type"] != "image":
+                continue
+            ref = part["image"]
+            try:
+                out.append(load_image(ref.removeprefix("file://"), timeout=30))
+            except Exception as exc:  # transformers' message quotes the whole reference: a data URL is megabytes
+                raise BadImage(f"turn {n} image {_shown(ref)}: {_why(ref, exc)}") from None
+    return out
+
+
+def _shown(ref: str) -> str:
+    """An image reference for a message: a data URL by its media type, a URL without its query (which may hold a
+    token), at most 60 characters."""
+    if ref.startswith("data:"):
+        return ref.split(",", 1)[0]
+    ref = ref.split("?", 1)[0]
+    return repr(ref if len(ref) <= 60 else "..." + ref[-57:])
+
+
+def _why(ref: str, exc: Exception) -> str:
+    if isinstance(exc, ValueError) and str(exc).startswith("Incorrect image source"):
+        local = not ref.startswith(("data:", "http://", "https://"))
+        return "no such file" if local and not Path(ref).exists() else "not an image (nor base64 of one)"
+    return describe(exc)[:120]
+
+
+def _image_prompt(chat: Chat, prompt: str, images: list) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """A prompt holding `images` tokenised by the target's processor: its ids (each placeholder expanded into the
+    image's tokens) and the tensors the target's forward takes for those images."""
+    out = chat.processor(text=[prompt], images=images, add_special_tokens=False, return_tensors="pt")
+    vision = {key: value for key, value in out.items() if key not in ("input_ids", "attention_mask")}
+    return out["input_ids"][0].tolist(), vision
 
 
 def conversation_tokens(conv: Conversation, chat: Chat, max_length: int) -> tuple[list[_Tokens], str]:
@@ -61,6 +121,11 @@ def conversation_tokens(conv: Conversation, chat: Chat, max_length: int) -> tupl
     tokenizer = chat.tokenizer
     need = max_length + 1  # one token past the cut says where the cut falls
     messages = list(conv.messages)
+    if chat.no_images and any(map(has_images, messages)):
+        raise NoImageProcessor(f"the target reads images but {chat.no_images}")
+    if chat.processor is None and any(has_images(m) and not m["content"].strip() for m in messages):
+        return [], "non_text_content"  # a turn of images alone, for a target that reads no images
+    images = _images(conv) if chat.processor is not None and any(map(has_images, messages)) else []
     out: list[_Tokens] = []
     current: _Tokens | None = None
     reason = "no_reply_after_a_prompt"
@@ -71,7 +136,13 @@ def conversation_tokens(conv: Conversation, chat: Chat, max_length: int) -> tupl
             reply = chat.reply(messages, i)
         except EmptyReply:  # nothing to train on in this turn; it stays context for the next
             continue
-        prompt_ids, _, prompt_whole = _tokens(tokenizer, reply.prompt, need)
+        shown = sum(p["type"] == "image" for m in messages[:i] for p in m.get("parts", ())) if images else 0
+        vision = None
+        if shown:
+            prompt_ids, vision = _image_prompt(chat, reply.prompt, images[:shown])
+            prompt_whole = True
+        else:
+            prompt_ids, _, prompt_whole = _tokens(tokenizer, reply.prompt, need)
         if not prompt_whole or len(prompt_ids) >= max_length:
             reason = "no_assistant_tokens_in_max_length"
             break
@@ -91,6 +162,7 @@ def conversation_tokens(conv: Conversation, chat: Chat, max_length: int) -> tupl
             mask,
             reply_whole and (current.complete if chained else True),
             prompt_ids + reply_ids[: last + 1],
+            vision,
         )
     if current is not None:
         out.append(current)
@@ -119,6 +191,11 @@ def render_many(
     for conv in convs:
         try:
             built, why = conversation_tokens(conv, chat, max_length)
+        except BadImage as exc:
+            reason = "no_image_processor" if isinstance(exc, NoImageProcessor) else "bad_image"
+            report.skip(reason, f"{conv.origin} ({exc})")
+            out.append([])
+            continue
         except Exception as exc:  # jinja raises TemplateError for e.g. non-alternating roles
             _template_error(report, conv, exc)
             out.append([])
@@ -129,7 +206,7 @@ def render_many(
             kept = _cut(tokens, max_length, overlong, reasons)
             if kept is not None:
                 name = conv.id if not samples else f"{conv.id}#{len(samples)}"
-                samples.append(Sample(name, *kept, conv.id))
+                samples.append(Sample(name, *kept, conv.id, tokens.vision))
         if not samples:  # its first sample's reason, or why it had none
             reason, detail = reasons[0] if reasons else (why, "")
             report.skip(reason, f"{conv.origin} ({detail})" if detail else conv.origin)

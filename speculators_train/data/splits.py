@@ -21,14 +21,17 @@ def load_splits(recipe: Recipe) -> Splits:
     return load_mix(mix_path, recipe.data.held_out_fraction)
 
 
-def rendered_counts(recipe: Recipe, splits: Splits, tokenizer) -> dict[str, dict[str, int]]:
-    """Per split: records, samples, tokens and loss tokens, rendered with the target's chat template as `generate`
-    renders them (the dataset's replies: regeneration would replace them); skips go into `splits.report`."""
+def rendered_counts(
+    recipe: Recipe, splits: Splits, tokenizer, processor=None, no_images: str = ""
+) -> dict[str, dict[str, int]]:
+    """Per split: records, samples, tokens and loss tokens, rendered with the target's chat template (and a
+    multimodal target's processor) as `generate` renders them (the dataset's replies: regeneration would replace
+    them); skips go into `splits.report`."""
     from speculators_train.data.chat import Chat
     from speculators_train.data.render import render_many
 
     data = recipe.data
-    chat = Chat(tokenizer, data.chat_template_kwargs)
+    chat = Chat(tokenizer, data.chat_template_kwargs, processor, no_images)
     out = {}
     for split in SPLITS:
         records = getattr(splits, split)

@@ -8,6 +8,7 @@ it is fully on disk, so a killed run resumes at the first unlisted shard: nothin
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -20,9 +21,8 @@ import torch
 from safetensors.torch import save
 from tqdm import tqdm
 
-from speculators_train.data.chat import Chat
 from speculators_train.data.config import RegenerateConfig
-from speculators_train.data.conversations import Conversation, SkipReport
+from speculators_train.data.conversations import Conversation, SkipReport, has_images
 from speculators_train.data.mix import Splits
 from speculators_train.data.regenerate import (
     check_replying_tokenizer,
@@ -137,11 +137,18 @@ def capture(
     target: Target, samples: list[Sample], max_tokens: int, dtype: torch.dtype, spec: StateSpec | None = None
 ) -> list[dict[str, Any]]:
     """Hidden states for each sample (original order), unpadded, on CPU in the storage dtype: the aux states of
-    `spec` (default: the target's aux layers) unless it reads none, and the final state unless `spec` says not."""
+    `spec` (default: the target's aux layers) unless it reads none, and the final state unless `spec` says not.
+    Samples with images run one at a time, with their pixel values, through the multimodal model."""
     keep_final = spec is None or spec.final
     out: list[dict[str, Any] | None] = [None] * len(samples)
-    for batch, lengths, ids, attention in padded_batches(samples, max_tokens, target.device):
-        aux, final = target.hidden_states(ids, attention, spec)
+    text = [i for i, s in enumerate(samples) if s.vision is None]
+    batches = (
+        ([text[j] for j in batch], lengths, ids, attention, None)
+        for batch, lengths, ids, attention in padded_batches([samples[i] for i in text], max_tokens, target.device)
+    )
+    images = (([i], [len(s.input_ids)], s.input_ids[None], None, s.vision) for i, s in enumerate(samples) if s.vision)
+    for batch, lengths, ids, attention, vision in itertools.chain(batches, images):
+        aux, final = target.hidden_states(ids, attention, spec, vision)
         final = final.to(dtype).cpu()
         aux = aux.to(dtype).cpu() if aux is not None else None
         for row, (i, n) in enumerate(zip(batch, lengths, strict=True)):
@@ -153,6 +160,18 @@ def capture(
             if keep_final:
                 out[i]["hidden_state"] = final[row, :n].clone()
     return out
+
+
+def _without_images(chunk: list[Conversation], reason: str, skips: SkipReport) -> list[Conversation]:
+    """The chunk's records without images, the others counted under `reason`: a path that would run the target on
+    their text alone (regeneration, vLLM capture), which is not what the served model reads."""
+    kept = []
+    for conv in chunk:
+        if any(map(has_images, conv.messages)):
+            skips.skip(reason, conv.origin)
+        else:
+            kept.append(conv)
+    return kept
 
 
 @dataclass
@@ -175,7 +194,11 @@ def process_chunk(
     skips = SkipReport()
     spec = spec or recipe_states(recipe, target)
     data, max_tokens = recipe.data, recipe.generation.max_tokens_per_batch
-    chat = Chat(target.tokenizer, data.chat_template_kwargs)
+    chat = target.chat(data.chat_template_kwargs)
+    if target.reads_images and engine is not None:
+        chunk = _without_images(chunk, "images_not_captured_by_vllm", skips)
+    if target.reads_images and data.regenerate.enabled:
+        chunk = _without_images(chunk, "images_not_regenerated", skips)
     # One packed copy of the target's weights per chunk (CPU float32, `target.cpu_packed_weights`), for
     # regeneration and capture alike; offline shards and online training both come through here.
     with target.packed(max_tokens) if engine is None else contextlib.nullcontext():

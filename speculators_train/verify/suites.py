@@ -24,7 +24,7 @@ from pydantic import Field, field_validator
 
 from speculators_train.data.chat import Chat
 from speculators_train.data.config import RegenerateConfig
-from speculators_train.data.conversations import Conversation, SkipReport
+from speculators_train.data.conversations import Conversation, SkipReport, has_images
 from speculators_train.data.mix import load_mix
 from speculators_train.data.regenerate import regenerate
 from speculators_train.errors import UserError
@@ -199,6 +199,9 @@ def load_suite(path: Path, recipe: Recipe, target, num_prompts: int | None = Non
         messages = first_prompt(conv)
         if messages is None:
             skips.skip("no user message before the first reply", conv.origin)
+            continue
+        if any(map(has_images, messages)):  # the loop and the engines' checks send text prompts
+            skips.skip("images in the prompt", conv.origin)
             continue
         first_user = next(m["content"] for m in messages if m["role"] == "user")
         if pattern is not None and not pattern.search(first_user):

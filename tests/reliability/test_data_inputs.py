@@ -65,10 +65,6 @@ def run_data(tmp_path: Path, capsys, files: dict[str, bytes], sources: list[dict
 # --- one hostile JSONL line between two good ones: a counted skip at data.jsonl:2, the good records are read ---
 
 SKIPPED_LINES = {
-    "image-only-user-turn": (
-        line(chat(("user", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]), QA[1])),
-        "non_text_content",
-    ),
     "image-and-blank-text-parts": (
         line(chat(("user", [{"type": "text", "text": " "}, {"type": "image_url", "image_url": {}}]), QA[1])),
         "non_text_content",
@@ -129,6 +125,18 @@ def test_hostile_jsonl_line_is_a_counted_skip_with_file_and_line(tmp_path, capsy
     assert counts["train"] + counts["held_out"] == 2, (counts, err)
     assert counts["skipped"] == {reason: 1}, (counts, err)
     assert f"skipped 1: {reason} (e.g. data.jsonl:2" in err, err
+
+
+def test_image_only_turn_is_read_and_skipped_for_a_text_target(tmp_path, capsys):
+    """A turn of images alone is a record (a multimodal target reads it through its processor, tests/test_targets.py);
+    rendered for the default text-only target it is a counted skip naming its line."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    data = line(good(0)) + b"\n" + line(chat(("user", [image]), QA[1])) + b"\n" + line(good(1)) + b"\n"
+    code, counts, err = run_data(tmp_path, capsys, {"data.jsonl": data})
+    assert code == 0, err
+    assert counts["train"] + counts["held_out"] == 3 and counts["samples"]["train"] + counts["samples"]["held_out"] == 2
+    assert counts["skipped"] == {"non_text_content": 1}, (counts, err)
+    assert "skipped 1: non_text_content (e.g. data.jsonl:2" in err, err
 
 
 # --- odd but valid files: every record is read, nothing is skipped ---
@@ -381,3 +389,29 @@ def test_a_split_left_without_samples_is_refused_with_the_reasons(tmp_path, caps
     recipe = make_recipe(tmp_path, [{"name": "s", "path": "data.jsonl"}])
     clean_error([stage, recipe], capsys, "split's", "records gave no sample", "no_reply_after_a_prompt")
     assert not (tmp_path / "run" / "hidden_states" / "manifest.json").exists()
+
+
+def test_image_parts_are_kept_in_order_with_relative_paths_read_beside_the_data(tmp_path):
+    """Image parts stay beside the text, in order, for a multimodal target's processor; a relative path is read
+    from the data file's folder, and the record's id (its held-out split) does not depend on where that folder is."""
+    parts = [
+        {"type": "text", "text": "Compare "},
+        {"type": "image_url", "image_url": {"url": "pics/a.png"}},
+        {"type": "text", "text": " with "},
+        {"type": "image", "image": "data:image/png;base64,AAAA"},
+        {"type": "input_audio", "input_audio": {}},
+    ]
+    ids = []
+    for folder in (tmp_path / "one", tmp_path / "two"):
+        folder.mkdir()
+        (folder / "data.jsonl").write_text(json.dumps(chat(("user", parts), ("assistant", "Alike."))) + "\n")
+        message = load_mix(make_mix(folder, [{"name": "s", "path": "data.jsonl"}]), 0.0).train[0].messages[0]
+        assert message["content"] == "Compare  with "
+        assert message["parts"] == [
+            {"type": "text", "text": "Compare "},
+            {"type": "image", "image": str(folder / "pics" / "a.png")},
+            {"type": "text", "text": " with "},
+            {"type": "image", "image": "data:image/png;base64,AAAA"},
+        ]
+        ids.append(load_mix(make_mix(folder, [{"name": "s", "path": "data.jsonl"}]), 0.0).train[0].id)
+    assert ids[0] == ids[1]
