@@ -9,8 +9,8 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.logging import RichHandler
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from speculators_train.data.conversations import SkipReport
 from speculators_train.errors import UserError, interrupted, os_error, terminate_like_interrupt
@@ -19,7 +19,8 @@ from speculators_train.recipe import Recipe, load_recipe
 from speculators_train.runlock import exclusive
 from speculators_train.schema import parse_overrides
 
-console = Console(stderr=True)
+# Never markup: paths, names and messages print as written (a `[/]` in a path is text, not a closing tag).
+console = Console(stderr=True, markup=False)
 
 
 def _recipe(args: argparse.Namespace, target: bool = True) -> Recipe:
@@ -56,7 +57,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     }
     print(to_json(counts))
     for line in splits.report.lines():
-        console.print(line, markup=False, highlight=False)
+        console.print(line, highlight=False)
     for split, numbers in rendered.items():
         if numbers["records"] and not numbers["samples"]:
             raise UserError(splits.report.nothing_left(str(recipe.source_path), split, numbers["records"]))
@@ -89,7 +90,7 @@ def _report_generation(recipe: Recipe, manifest: dict) -> None:
         )
     console.print(table)
     for line in SkipReport.from_dict(manifest["skips"]).lines():
-        console.print(line, markup=False, highlight=False)
+        console.print(line, highlight=False)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -99,7 +100,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     directory = path if path.is_dir() else _recipe(args, target=False).hidden_states_dir
     problems = validate(directory)
     for problem in problems:
-        console.print(f"[red]invalid[/red]: {problem}", highlight=False)
+        _labelled("invalid", "red", problem)
     if not problems:
         console.print(f"{directory}: every shard matches the manifest")
     return 1 if problems else 0
@@ -159,7 +160,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     )
     console.print(f"exported {done.format} draft for {done.verifier} to {done.path}")
     for note in done.notes:
-        console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
+        _labelled("note", "yellow", note)
     console.print("serve it with:")
     for command in done.commands:
         print(command)
@@ -215,7 +216,7 @@ def _report_ingest(stats, state: dict) -> None:
         line += f"; {stats.pending_bytes} bytes of unfinished lines left for the next pass"
     console.print(line, highlight=False)
     for note in stats.notes:
-        console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
+        _labelled("note", "yellow", note)
 
 
 def _report_window(record: dict) -> None:
@@ -270,7 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _error(message: str) -> None:
     """The one line a refused command prints: never folded at the console's width (a log or a pipe keeps it whole),
     and the message's own brackets are text, not markup."""
-    console.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
+    _labelled("error", "bold red", message, soft_wrap=True)
+
+
+def _labelled(label: str, style: str, text: str, soft_wrap: bool = False) -> None:
+    """`label: text` with the label styled and the text as written."""
+    console.print(Text.assemble((f"{label}:", style), f" {text}"), highlight=False, soft_wrap=soft_wrap)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,12 +33,15 @@ class LlamaCppConfig(Section):
 
     targets: list[Literal["gguf", "f32"]] = Field(
         default_factory=lambda: ["gguf", "f32"],
+        min_length=1,
         description="gguf: the GGUF file the recipe's target names, as served; f32: an unquantized GGUF made once "
         "from the dequantised weights. llama.cpp's greedy output can fork with the verify batch width (often on "
         "quantized kernels, at near-ties on f32): each record gives the first divergence.",
     )
     speculative_tokens: list[int] = Field(
-        default_factory=lambda: [1, 2, 3, 4, 5, 6, 7], description="K values run with the draft (one server each)."
+        default_factory=lambda: [1, 2, 3, 4, 5, 6, 7],
+        min_length=1,
+        description="K values run with the draft (one server each).",
     )
     draft_p_min: float = Field(
         0.0, ge=0, lt=1, description="llama.cpp stops a draft at the first token below this probability (0: never)."
@@ -61,7 +64,9 @@ class VllmConfig(Section):
     """`verify --engine vllm`: the suites decoded by vLLM (the target's HF folder), target-only and speculatively."""
 
     speculative_tokens: list[int] | None = Field(
-        None, description="K values run with the draft (one engine each); default: [eval.num_speculative_tokens]."
+        None,
+        min_length=1,
+        description="K values run with the draft (one engine each); default: [eval.num_speculative_tokens].",
     )
     batch: bool = Field(
         True,
@@ -88,7 +93,9 @@ class VllmConfig(Section):
 
 class EvalConfig(Section):
     suites: list[str] = Field(
-        default_factory=lambda: ["eval/suites/sharegpt-held-out.yaml"], description="Suite YAML files."
+        default_factory=lambda: ["eval/suites/sharegpt-held-out.yaml"],
+        min_length=1,  # a verify run with no suite would measure nothing and exit 0
+        description="Suite YAML files.",
     )
     mode: Literal["chain", "tree"] = "chain"
     num_speculative_tokens: int = Field(

@@ -121,6 +121,15 @@ def _yaml_loader():
                         seen[key] = key_node
             return super().construct_mapping(node, deep)
 
+        def construct_yaml_int(self, node):
+            try:
+                return super().construct_yaml_int(node)
+            except ValueError:  # past Python's limit on integer strings (4,300 digits): no setting is that long
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"an integer of {len(node.value):,} characters is too long", node.start_mark
+                ) from None
+
+    StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
     return StrictLoader
 
 

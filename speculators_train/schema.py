@@ -206,7 +206,8 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
+        shown = repr(pair if len(pair) <= 80 else pair[:60] + f"... ({len(pair):,} characters)")
         if not sep or not key:
-            raise UserError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set data.max_length=512")
-        out[key] = parse_yaml(value, f"--set {pair!r}")
+            raise UserError(f"--set {shown}: expected KEY=VALUE, e.g. --set data.max_length=512")
+        out[key] = parse_yaml(value, f"--set {shown}")
     return out

@@ -24,7 +24,7 @@ from speculators_train.errors import UserError
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft, refuse_non_finite
 from speculators_train.families.format_common import DTYPES
-from speculators_train.files import to_json
+from speculators_train.files import to_json, writing
 from speculators_train.hidden_states.shards import MANIFEST
 from speculators_train.loading import read_json, read_json_object, reading
 from speculators_train.recipe import Recipe
@@ -245,17 +245,19 @@ def _export(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        (tmp / "config.json").write_text(to_json(config, indent=2) + "\n")
-        save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp / "model.safetensors", 0o666 & ~umask)  # safetensors writes 0600; a server may run as another user
-        from transformers import AutoTokenizer
+        with writing(out, cleanup=tmp):  # a full disk ends as every other writer's does
+            (tmp / "config.json").write_text(to_json(config, indent=2) + "\n")
+            save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+            umask = os.umask(0)
+            os.umask(umask)
+            # safetensors writes 0600; a server may run as another user
+            os.chmod(tmp / "model.safetensors", 0o666 & ~umask)
+            from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(source, revision=recipe.target.revision).save_pretrained(tmp)
-        export_format.finish(tmp, local_config_dir(source, recipe.target.revision), dtype)
-        (tmp / "README.md").write_text(model_card(recipe, loaded, fmt, dtype, verifier, k, commands))
-        _replace(tmp, out)
+            AutoTokenizer.from_pretrained(source, revision=recipe.target.revision).save_pretrained(tmp)
+            export_format.finish(tmp, local_config_dir(source, recipe.target.revision), dtype)
+            (tmp / "README.md").write_text(model_card(recipe, loaded, fmt, dtype, verifier, k, commands))
+            _replace(tmp, out)
     except OSError as exc:
         raise UserError(f"could not write the export to {out}: {exc}") from None
     finally:

@@ -86,16 +86,23 @@ def proposal_config(
     }
 
 
+def shell_arg(value: str | Path) -> str:
+    """A path or name as one shell word of a printed command: quoted, and a relative path that starts with `-`
+    written `./-...`, which no command takes for an option."""
+    text = str(value)
+    return shlex.quote(f"./{text}" if text.startswith("-") else text)
+
+
 def vllm_serve(verifier: str, speculative_config: dict[str, Any]) -> str:
     """The `vllm serve` line for a format's `vllm_speculative_config` (the offline `LLM(...)` takes the same dict)."""
-    return f"vllm serve {shlex.quote(verifier)} --speculative-config {shlex.quote(json.dumps(speculative_config))}"
+    return f"vllm serve {shell_arg(verifier)} --speculative-config {shlex.quote(json.dumps(speculative_config))}"
 
 
 def sglang_serve(verifier: str, draft: Path, algorithm: str, steps: int, top_k: int, tokens: int) -> str:
     """The `sglang.launch_server` line for the draft folder `draft` under `--speculative-algorithm algorithm`."""
     return (
-        f"python -m sglang.launch_server --model-path {shlex.quote(verifier)} --speculative-algorithm {algorithm} "
-        f"--speculative-draft-model-path {shlex.quote(str(draft))} --speculative-num-steps {steps} "
+        f"python -m sglang.launch_server --model-path {shell_arg(verifier)} --speculative-algorithm {algorithm} "
+        f"--speculative-draft-model-path {shell_arg(draft)} --speculative-num-steps {steps} "
         f"--speculative-eagle-topk {top_k} --speculative-num-draft-tokens {tokens}"
     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,12 @@ def clean_error(argv: list[str], capsys, *needles: str) -> str:
     for needle in needles:
         assert needle in text, f"{needle!r} not in: {text}"
     return text
+
+
+def mount_tmpfs(path: Path, size: int) -> bool:
+    """A real filesystem of `size` bytes at `path` (root only): a write past it fails on ENOSPC."""
+    path.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]).returncode == 0
 
 
 # A child process that runs the CLI and SIGKILLs itself at the Nth call of chosen functions ("events"), so a

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from speculators_train.cli import main
 from speculators_train.export.run import export
 from speculators_train.families.drafts import check_fits, load_draft
 from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
@@ -31,7 +33,7 @@ from speculators_train.target import load_head_weights
 from speculators_train.training.checkpoint import save_checkpoint
 
 from ..conftest import SHAREGPT, make_recipe
-from .conftest import clean_error
+from .conftest import clean_error, mount_tmpfs, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -891,3 +893,34 @@ def test_a_target_tokenizer_without_a_chat_template_is_refused_by_verify(tmp_pat
     }  # fmt: skip
     recipe, target = target_recipe(tmp_path, files)
     clean_error(["verify", recipe, "--draft", base["ckpt"]], capsys, f"target {target}", "has no chat template")
+
+
+def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys, base):
+    """safetensors raises its own error type on ENOSPC: export ends as every other writer does, with the disk-full
+    line, and no half-written folder is left."""
+    disk = tmp_path / "disk"
+    if not mount_tmpfs(disk, 64 << 10):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        out = disk / "export"
+        argv = ["export", base["recipe"], "--checkpoint", base["ckpt"], "--out", out]
+        clean_error(argv, capsys, f"disk full while writing {out}", "rerun the same command")
+        assert [p.name for p in disk.iterdir()] == [".export.lock"]  # the lock a rerun takes again; no export
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_export_paths_print_as_written_and_never_as_options(tmp_path, capsys, base, monkeypatch):
+    """A path holding rich markup (`[/]`, `[bold]`) prints as written, and a relative output path that starts with
+    `-` is written `./-...` in the serve lines (a shell would take it for an option)."""
+    marked = tmp_path / "a[" / "]b[bold]"
+    code, err = run_cli(["export", base["recipe"], "--checkpoint", base["ckpt"], "--out", marked], capsys)
+    assert code == 0 and str(marked) in err.replace("\n", ""), err
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(["export", str(base["recipe"]), "--checkpoint", str(base["ckpt"]), "--out=--trust-remote-code"])
+    assert not done.value.code
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "vllm serve ./--trust-remote-code", lines
+    assert (tmp_path / "--trust-remote-code" / "config.json").is_file()

@@ -142,6 +142,15 @@ CASES = [
     ("set-no-equals", dumped(), ["--set", "training.epochs"], ["expected KEY=VALUE"]),
     ("set-empty-key", dumped(), ["--set", "=3"], ["expected KEY=VALUE"]),
     ("set-unknown-key", dumped(), ["--set", "training.epoch=2"], ["training.epoch: unknown key"]),
+    ("huge-integer", text("seed: " + "9" * 5000 + "\ndata: {{mix: {mix}}}\n"), [], [":3:7:", "an integer of 5,000"]),
+    (
+        "set-huge-integer",
+        dumped(),
+        ["--set", "seed=" + "9" * 5000],
+        ["--set 'seed=999", "(5,005 characters)", "an integer of 5,000 characters is too long"],
+    ),
+    ("eval-no-suites", dumped(**{"eval.suites": []}), [], ["eval.suites", "at least 1 item"]),
+    ("vllm-no-ks", dumped(**{"eval.vllm.speculative_tokens": []}), [], ["eval.vllm.speculative_tokens"]),
     ("set-through-scalar", dumped(), ["--set", "name.x=1"], ["override name.x: name is not a section"]),
     ("set-bool-batch", dumped(), ["--set", "training.batch_size=yes"], ["training.batch_size", "valid integer"]),
     (

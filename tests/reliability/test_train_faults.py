@@ -18,7 +18,7 @@ import pytest
 from safetensors import safe_open
 
 from ..conftest import SHAREGPT, make_recipe
-from .conftest import clean_error, crash_windows, event_labels, run_cli, run_killed
+from .conftest import clean_error, crash_windows, event_labels, mount_tmpfs, run_cli, run_killed
 
 pytestmark = pytest.mark.slow
 
@@ -166,11 +166,6 @@ def test_an_optimizer_state_of_another_shape_is_one_line(tmp_path, states, capsy
     state["optimizer"]["param_groups"] = state["optimizer"]["param_groups"] * 2
     torch.save(state, path)
     clean_error(["train", recipe, "--set", "training.max_steps=4"], capsys, "checkpoint does not fit this run")
-
-
-def mount_tmpfs(path: Path, size: int) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]).returncode == 0
 
 
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_resumes_exactly(tmp_path, states, capsys):

@@ -18,7 +18,6 @@ nothing for speculators and gives vLLM the bidirectional block it was trained wi
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ from speculators_train.families.format_common import (
     load_checked,
     proposal_config,
     read_weights,
+    shell_arg,
     vllm_serve,
 )
 from speculators_train.loading import reading
@@ -135,4 +135,4 @@ class DFlashFormat(ExportFormat):
         return {"model": str(out), "method": "dflash", "num_speculative_tokens": k}
 
     def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
-        return [f"vllm serve {shlex.quote(str(out))}", vllm_serve(verifier, self.vllm_speculative_config(out, k))]
+        return [f"vllm serve {shell_arg(out)}", vllm_serve(verifier, self.vllm_speculative_config(out, k))]

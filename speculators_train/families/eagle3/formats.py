@@ -34,7 +34,6 @@ SGLang / original EAGLE (SGLang's `LlamaForCausalLMEagle3`, SpecForge):
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +55,7 @@ from speculators_train.families.format_common import (
     export_tensors,
     read_weights,
     sglang_serve,
+    shell_arg,
     shown,
     vllm_serve,
 )
@@ -168,7 +168,7 @@ class SpeculatorsFormat(ExportFormat):
         return {"model": str(out), "method": "eagle3", "num_speculative_tokens": k}
 
     def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
-        return [f"vllm serve {shlex.quote(str(out))}", vllm_serve(verifier, self.vllm_speculative_config(out, k))]
+        return [f"vllm serve {shell_arg(out)}", vllm_serve(verifier, self.vllm_speculative_config(out, k))]
 
 
 class SGLangFormat(ExportFormat):

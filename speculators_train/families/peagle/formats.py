@@ -14,7 +14,6 @@ vLLM maps "peagle" to its EAGLE-3 method with `parallel_drafting: true` (`mask_t
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,13 @@ import torch
 from speculators_train.errors import UserError
 from speculators_train.families.base import ExportFormat
 from speculators_train.families.eagle_arch.speculators import load_eagle3, speculators_config, speculators_fields
-from speculators_train.families.format_common import export_tensors, proposal_config, read_weights, vllm_serve
+from speculators_train.families.format_common import (
+    export_tensors,
+    proposal_config,
+    read_weights,
+    shell_arg,
+    vllm_serve,
+)
 from speculators_train.families.peagle.model import PEagleConfig, PEagleDraft, checked_peagle_config
 from speculators_train.loading import reading
 
@@ -88,4 +93,4 @@ class PEagleFormat(ExportFormat):
         return {"model": str(out), "method": "eagle3", "parallel_drafting": True, "num_speculative_tokens": k}
 
     def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
-        return [f"vllm serve {shlex.quote(str(out))}", vllm_serve(verifier, self.vllm_speculative_config(out, k))]
+        return [f"vllm serve {shell_arg(out)}", vllm_serve(verifier, self.vllm_speculative_config(out, k))]
