@@ -65,9 +65,11 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from speculators_train.distributed import process_state
     from speculators_train.hidden_states.generator import generate
 
     recipe = _recipe(args)
+    process_state()  # the process group first: it decides which rank holds the lock
     with exclusive(recipe.hidden_states_dir, "generate"):
         manifest = generate(recipe)
     if manifest:
@@ -107,11 +109,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from speculators_train.training.step import accelerator
     from speculators_train.training.trainer import Trainer
 
     recipe = _recipe(args)
+    acc = accelerator(recipe)  # the process group first: it decides which rank holds the lock
     with exclusive(recipe.run_dir / "train", "train"):
-        trainer = Trainer(recipe)
+        trainer = Trainer(recipe, acc)
         metrics = trainer.train()
     if trainer.accelerator.is_main_process:
         _report_training(trainer, metrics)

@@ -1,10 +1,12 @@
 """One process at a time per run directory a stage writes (hidden states, training, OSD, an export).
 
 Two `train` processes on one run delete each other's checkpoints mid-write; two ingestors store lines twice. The
-lock is `filelock`'s: an OS lock on a file beside the directory, which the kernel releases when its holder dies,
-so a lock left by a killed process never blocks the rerun. The holder writes who it is beside the lock, and a
-second process is refused with one line naming that process, since when, and what to do. The holder also refuses
-a stage directory holding a symbolic link (`files.refuse_links`).
+lock is `filelock`'s: an OS lock on a file beside the directory itself (its resolved path: two runs whose stage
+directories are links to one directory share one lock), which the kernel releases when its holder dies, so a lock
+left by a killed process never blocks the rerun. In a distributed launch rank 0 holds it for every rank: the
+process group decides which process that is (a stray `RANK` in one process's environment does not). The holder
+writes who it is beside the lock, and a second process is refused with one line naming that process, since when,
+and what to do. The holder also refuses a stage directory holding a symbolic link (`files.refuse_links`).
 """
 
 from __future__ import annotations
@@ -31,17 +33,26 @@ def _holder(info: Path) -> str:
         return "another process (which one is not written yet)"
 
 
+def _secondary_rank() -> bool:
+    """Whether this process is a rank other than 0 of an initialised process group."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
+
+
 @contextlib.contextmanager
 def exclusive(directory: Path, command: str) -> Iterator[None]:
     """Hold `directory` (a run's stage directory, or an export's) for this process while the block runs. Ranks
-    of a distributed launch other than rank 0 take no lock: rank 0 holds it for the launch."""
-    if os.environ.get("RANK", "0") != "0":
+    of a distributed launch other than rank 0 take no lock: rank 0 holds it for the launch. Enter it after the
+    process group is up (a stage's first collective), so the group, not the environment, says which rank this is."""
+    if _secondary_rank():
         yield
         return
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(directory.parent / f".{directory.name}.lock")
-    info = directory.parent / f".{directory.name}.lock.json"
+    real = directory.resolve()
+    real.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(real.parent / f".{real.name}.lock")
+    info = real.parent / f".{real.name}.lock.json"
     try:
         lock.acquire(timeout=0)
     except Timeout:

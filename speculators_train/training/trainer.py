@@ -109,21 +109,23 @@ def _with_defaults(identity: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe) -> None:
+    def __init__(self, recipe: Recipe, acc: Any = None) -> None:
+        """`acc`: the run's accelerator when the caller made it first (`step.accelerator(recipe)`: the process
+        group, which the run lock asks for its rank), else made here."""
         self.recipe = recipe
         self.cfg = recipe.training
         # In this order: the seeds are set before the source orders the data and before the head and the draft draw
         # their starting weights, so a seed keeps giving the same run.
-        self._set_up_accelerator()
+        self._set_up_accelerator(acc)
         target_config, weights = self._set_up_data()
         self._set_up_state()
         objective = self._set_up_draft(target_config, weights)
         self._set_up_optimizer(objective)
         self._set_up_resume()
 
-    def _set_up_accelerator(self) -> None:
+    def _set_up_accelerator(self, acc: Any = None) -> None:
         """The accelerator (devices, ranks, precision), the recipe's family, and the seeded generators."""
-        self.accelerator = accelerator(self.recipe)
+        self.accelerator = acc if acc is not None else accelerator(self.recipe)
         self.family = families.get(self.recipe.draft.family)
         torch.manual_seed(self.recipe.seed)
         random.seed(self.recipe.seed)

@@ -82,3 +82,27 @@ def test_a_lock_left_by_a_killed_process_does_not_block_the_rerun(tmp_path, caps
     code, err = run_cli(["osd", recipe, "--ingest-only", "--logs", logs], capsys)
     assert code == 0, err
     assert "ingested 1 new records" in " ".join(err.split())
+
+
+def test_two_runs_whose_stage_directories_link_to_one_directory_share_its_lock(tmp_path, capsys, holder):
+    """The lock is the directory's, not its path's: a run whose `train/` is a link to a directory another run
+    trains in (states or checkpoints kept on another disk) is refused."""
+    shared = tmp_path / "disk" / "train"
+    shared.mkdir(parents=True)
+    recipes = []
+    for name in ("one", "two"):
+        recipes.append(make_recipe(tmp_path / name, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 4}]))
+        (tmp_path / name / "run").mkdir()
+        (tmp_path / name / "run" / "train").symlink_to(shared, target_is_directory=True)
+    first = holder(tmp_path / "one" / "run" / "train", "train")
+    clean_error(["train", recipes[1]], capsys, f"is in use by process {first.pid} on", "(train, since")
+    assert not list(shared.iterdir())
+
+
+def test_a_stray_rank_in_the_environment_still_takes_the_lock(tmp_path, capsys, holder, monkeypatch):
+    """Only a process group says a process is a secondary rank: with `RANK=1` left in the environment of single
+    processes, the holder takes the lock and the second process is refused."""
+    monkeypatch.setenv("RANK", "1")
+    recipe = make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 4}])
+    first = holder(tmp_path / "run" / "train", "train")
+    clean_error(["train", recipe], capsys, f"is in use by process {first.pid} on")
