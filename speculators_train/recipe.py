@@ -23,6 +23,7 @@ from speculators_train.data.config import DataConfig
 from speculators_train.errors import UserError
 from speculators_train.eval_config import EvalConfig
 from speculators_train.export.config import ExportConfig
+from speculators_train.folders import check_model_folder
 from speculators_train.hidden_states.config import GenerationConfig
 from speculators_train.osd.config import OSDConfig
 from speculators_train.schema import Section, apply_overrides, read_yaml_mapping, validate_mapping
@@ -81,6 +82,11 @@ class Recipe(Section):
                 f"data.regenerate.engine 'llama.cpp': target {self.target.name_or_path!r} is not a GGUF file "
                 "(llama.cpp serves GGUF); use engine 'transformers' or a .gguf target"
             )
+        if regen.enabled and regen.engine != "llama.cpp" and regen.model is not None:
+            try:  # a folder from elsewhere, before transformers or vLLM reads it
+                check_model_folder(regen.model, "data.regenerate.model")
+            except UserError as exc:
+                problems.append(str(exc))
         if regen.enabled and regen.engine == "llama.cpp" and regen.model is not None:
             problems.append(
                 f"data.regenerate.model {regen.model!r}: engine 'llama.cpp' replies from the target's GGUF file; "

@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from speculators_train.errors import UserError
-from speculators_train.loading import describe, pickled_files, read_json_object
+from speculators_train.loading import describe, read_json_object
 from speculators_train.schema import Section
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ def resolve_source(cfg: TargetConfig) -> tuple[str, str | None]:
             return str(_converted_gguf_dir(path / cfg.gguf_file)), None
         if not (path / "config.json").is_file():
             raise UserError(f"target.name_or_path: {path} is a directory without config.json (not an HF model)")
-        _check_local_dir(path)
+        _check_local_dir(path, cfg.trust_remote_code)
         return str(path), None
     if path.exists() or name.startswith((".", "/", "~")):
         raise UserError(f"target.name_or_path: {name!r} is neither a directory, a .gguf file, nor a hub id")
@@ -212,21 +212,15 @@ def _weight_map(directory: Path) -> dict[str, str] | None:
     return weight_map
 
 
-def _check_local_dir(path: Path) -> None:
-    """A local HF directory holds a readable config and safetensors weights before transformers sees it: its own
-    errors on these are long tracebacks, and on a pickle-only directory it would unpickle (run code)."""
-    read_json_object(path / "config.json", "target config")
+def _check_local_dir(path: Path, allow_code: bool) -> None:
+    """A local HF directory holds a config a model runs with, no custom code unless the recipe allows it, and
+    safetensors weights before transformers sees it (`folders.check_model_folder`): its own errors on these are
+    long tracebacks, and on a pickle-only directory it would unpickle (run code)."""
+    from speculators_train.folders import check_model_folder
+
+    check_model_folder(path, "target.name_or_path", allow_code, "target")
     weight_map = _weight_map(path)
     if weight_map is not None:
         missing = sorted({file for file in weight_map.values() if not (path / file).is_file()})
         if missing:
             raise UserError(f"{path}: weight files {missing[:3]} named by model.safetensors.index.json are missing")
-    elif not (path / "model.safetensors").is_file():
-        pickled = pickled_files(path)
-        if pickled:
-            raise UserError(
-                f"target.name_or_path: {path} holds only pickled weights ({', '.join(pickled[:3])}), which this "
-                "toolkit never loads (unpickling runs code); convert them to safetensors where you trust them, e.g. "
-                "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
-            )
-        raise UserError(f"target.name_or_path: {path} has no model.safetensors (nor model.safetensors.index.json)")

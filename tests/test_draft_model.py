@@ -155,9 +155,10 @@ def test_a_starting_model_with_another_tokenizer_is_refused(tmp_path, head_weigh
     import shutil
 
     config, _ = head_weights
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (source := Path(config._name_or_path) / name).is_file():
             shutil.copy(source, tmp_path / name)
+    (tmp_path / "model.safetensors").symlink_to(Path(config._name_or_path) / "model.safetensors")
     tokenizer = json.loads((tmp_path / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     first, second = sorted(vocab, key=vocab.get)[100:102]

@@ -215,6 +215,8 @@ def test_a_replying_model_needs_the_targets_tokenizer_and_a_float_engine(target,
     tok = AutoTokenizer.from_pretrained(small_lm[0])
     tok.add_tokens(["<not-the-targets>"])
     tok.save_pretrained(other)
+    for name in ("config.json", "model.safetensors"):
+        (other / name).symlink_to(Path(small_lm[0]) / name)
     check_replying_tokenizer(str(small_lm[0]), target.tokenizer)
     with pytest.raises(UserError, match=r"data\.regenerate\.model '.*other': its tokenizer is not the target's"):
         check_replying_tokenizer(str(other), target.tokenizer)
@@ -225,3 +227,46 @@ def test_a_replying_model_needs_the_targets_tokenizer_and_a_float_engine(target,
     assert load_recipe(path, overrides).data.regenerate.model == str(small_lm[0])
     with pytest.raises(UserError, match=r"data\.regenerate\.model .*: engine 'llama\.cpp' replies from the target"):
         load_recipe(path, {**overrides, "data.regenerate.engine": "llama.cpp"})
+
+
+def test_vllm_regeneration_starts_one_engine_per_rank_for_every_chunk(tmp_path, monkeypatch, capsys):
+    """A vLLM start costs a minute or more: `generate` opens one replying engine for all of a rank's chunks (here
+    three shards). What vLLM replies is `tests/test_vllm.py`'s; the engine here stands in for it and answers each
+    request with one fixed sentence, since only how many engines start is at stake."""
+    import speculators_train.data.regenerate as regenerate_module
+    from speculators_train.cli import main
+
+    from .conftest import SHAREGPT, make_recipe
+
+    starts = []
+
+    class Replies:
+        def __init__(self, model, max_length, seed):
+            starts.append(model)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def generate(self, ids, caps, temperature, top_p, seeds):
+            from types import SimpleNamespace
+
+            reply = [*tokenizer("Sure, here it is.")["input_ids"], tokenizer.convert_tokens_to_ids("<|im_end|>")]
+            return SimpleNamespace(completions=[SimpleNamespace(tokens=reply) for _ in ids])
+
+    from speculators_train.recipe import TargetConfig
+    from speculators_train.target import load_tokenizer
+
+    tokenizer = load_tokenizer(TargetConfig())
+    monkeypatch.setattr(regenerate_module, "replying_engine", Replies)
+    monkeypatch.setattr("speculators_train.hidden_states.generator.replying_engine", Replies)
+    sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 12}]
+    recipe = make_recipe(
+        tmp_path, sources, data={"regenerate": {"enabled": True, "engine": "vllm", "max_new_tokens": 4}}
+    )
+    with pytest.raises(SystemExit) as done:
+        main(["generate", str(recipe)])
+    assert not done.value.code, capsys.readouterr().err
+    assert len(starts) == 1, starts

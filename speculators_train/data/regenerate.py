@@ -20,6 +20,7 @@ from speculators_train.data.chat import Chat
 from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.conversations import Conversation
 from speculators_train.errors import UserError
+from speculators_train.folders import check_model_folder
 from speculators_train.loading import reading
 
 # One turn's requests: (rendered prompt, new-token cap) -> reply texts, in order.
@@ -37,17 +38,22 @@ def replying_model(source: str, target_model, tokenizer):
         from transformers import AutoModelForCausalLM
 
         with reading(source, "data.regenerate.model"):
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=target_model.dtype, use_safetensors=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=target_model.dtype, use_safetensors=True, trust_remote_code=False
+            )
         _REPLYING.clear()
         _REPLYING[source] = model.to(next(target_model.parameters()).device).eval()
     return _REPLYING[source]
 
 
 def check_replying_tokenizer(source: str, tokenizer) -> None:
+    """The gate of every engine's replying model: a folder this toolkit (or vLLM) may load
+    (`folders.check_model_folder`), whose tokenizer is the target's."""
     from transformers import AutoTokenizer
 
+    check_model_folder(source, "data.regenerate.model")
     with reading(source, "data.regenerate.model"):
-        theirs = AutoTokenizer.from_pretrained(source)
+        theirs = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     if theirs.get_vocab() != tokenizer.get_vocab():
         raise UserError(f"data.regenerate.model {source!r}: its tokenizer is not the target's")
 
@@ -140,9 +146,8 @@ def regenerate_vllm(
     """Same conversations with every assistant turn produced by vLLM's offline batch generation on the target's HF
     folder `model`: each turn's requests go in one call (vLLM schedules them together), prompts rendered by the
     same chat template and sent as token ids, request i of a turn sampled with seed `seed + i`. An open
-    `engines.vllm.Engine` on that folder may be passed in (benchmarks keep its start-up out of the figures)."""
-    from speculators_train.engines import vllm
-
+    `engines.vllm.Engine` on that folder may be passed in (`replying_engine`: a stage opens one for all its chunks).
+    """
     tokenizer = chat.tokenizer
 
     def replies(requests: list[tuple[str, int]]) -> list[str]:
@@ -154,10 +159,18 @@ def regenerate_vllm(
 
     if engine is not None:
         return _regenerate(conversations, chat, cfg, max_length, replies)
+    with replying_engine(model, max_length, seed) as engine:
+        return _regenerate(conversations, chat, cfg, max_length, replies)
+
+
+def replying_engine(model: Path, max_length: int, seed: int):
+    """A vLLM engine on `model` for `regenerate_vllm`, which a stage opens once and passes to every chunk (each
+    start costs a minute or more); replies are seeded per request, so they do not depend on which chunk opened it."""
+    from speculators_train.engines import vllm
+
     # On a GPU, vLLM shares the device with the transformers copy that captures the hidden states.
     share = 0.5 if torch.cuda.is_available() else None
-    with vllm.Engine(model, max_model_len=max_length, seed=seed, gpu_memory_utilization=share) as engine:
-        return _regenerate(conversations, chat, cfg, max_length, replies)
+    return vllm.Engine(model, max_model_len=max_length, seed=seed, gpu_memory_utilization=share)
 
 
 def _decoded(tokenizer, sequences: list[list[int]], pad_id: int | None = None) -> list[str]:

@@ -29,6 +29,7 @@ from speculators_train.data.regenerate import (
     regenerate,
     regenerate_llamacpp,
     regenerate_vllm,
+    replying_engine,
     replying_model,
 )
 from speculators_train.data.render import Sample, render_many
@@ -187,10 +188,12 @@ def process_chunk(
     seed: int,
     spec: StateSpec | None = None,
     engine: VllmCapture | None = None,
+    replying: Any = None,
 ) -> ChunkResult:
     """Conversations -> (optionally regenerated) -> rendered -> hidden states (`spec`, default: what the recipe's
-    family trains on), captured by `engine` when given, else by the transformers target. Shared by offline
-    shards, online training and online distillation."""
+    family trains on), captured by `engine` when given, else by the transformers target; regenerated through vLLM
+    by `replying` (`replying_engine`) when given, else by an engine opened for the chunk. Shared by offline shards,
+    online training and online distillation."""
     skips = SkipReport()
     spec = spec or recipe_states(recipe, target)
     data, max_tokens = recipe.data, recipe.generation.max_tokens_per_batch
@@ -209,8 +212,7 @@ def process_chunk(
         elif regen.enabled and regen.engine == "vllm":
             if regen.model is not None:
                 check_replying_tokenizer(regen.model, target.tokenizer)
-            model = Path(regen.model or resolve_source(recipe.target)[0])
-            chunk = regenerate_vllm(chunk, chat, regen, data.max_length, seed, model)
+            chunk = regenerate_vllm(chunk, chat, regen, data.max_length, seed, replying_model_dir(recipe), replying)
         elif regen.enabled:
             model = replying_model(regen.model, target.model, target.tokenizer) if regen.model else target.model
             chunk = regenerate(chunk, model, chat, regen, data.max_length, seed)
@@ -218,8 +220,28 @@ def process_chunk(
         samples = [s for group in rendered for s in group]
         dtype = DTYPES[recipe.generation.storage_dtype]
         if engine is not None:
-            return ChunkResult(engine.capture(samples, dtype, spec), skips)
-        return ChunkResult(capture(target, samples, max_tokens, dtype, spec), skips)
+            captured = engine.capture(samples, dtype, spec)
+        else:
+            captured = capture(target, samples, max_tokens, dtype, spec)
+        return ChunkResult(finite_states(captured, target), skips)
+
+
+def finite_states(captured: list[dict[str, Any]], target: Target) -> list[dict[str, Any]]:
+    """`captured`, refused when a state is NaN or inf: a target whose weights or config are broken (a negative norm
+    epsilon, a zero RoPE theta) would otherwise fill a complete, valid-looking set with states no draft learns from."""
+    for sample in captured:
+        for key in ("aux_hidden_states", "hidden_state"):
+            if key in sample and not bool(torch.isfinite(sample[key]).all()):
+                raise UserError(
+                    f"target {target.name_or_path}: its {key} for record {sample['record']!r} holds NaN or inf; its "
+                    "weights or config (norm epsilons, RoPE theta, storage dtype range) are broken, nothing is stored"
+                )
+    return captured
+
+
+def replying_model_dir(recipe: Recipe) -> Path:
+    """The folder vLLM regenerates replies with: `data.regenerate.model`, else the target's."""
+    return Path(recipe.data.regenerate.model or resolve_source(recipe.target)[0])
 
 
 class Progress:
@@ -298,19 +320,28 @@ def run_rank(
     done = sum(len(c) for split, parts in work.items() for c in parts[: progress.done(split)])
     bar = tqdm(total=total, initial=done, unit="rec", desc=f"generate[rank {rank}]", disable=not show)
     tokens, start = 0, time.perf_counter()
-    # A vLLM engine starts only where this rank has shards left to write.
-    engine = None
-    if recipe.generation.engine == "vllm" and any(progress.done(s) < len(p) for s, p in work.items()):
+    # A vLLM engine starts only where this rank has shards left to write, once for all of them.
+    engine = replying = None
+    left = any(progress.done(s) < len(p) for s, p in work.items())
+    if recipe.generation.engine == "vllm" and left:
         from speculators_train.hidden_states.vllm_capture import VllmCapture
 
         engine = VllmCapture(recipe, target, rank, local_rank)
+    regen = recipe.data.regenerate
+    if regen.enabled and regen.engine == "vllm" and left:
+        replying = replying_engine(replying_model_dir(recipe), recipe.data.max_length, recipe.seed)
     # One background writer: serialising + hashing + fsync of shard k overlaps the forward of shard k+1.
-    with engine or contextlib.nullcontext(), ThreadPoolExecutor(max_workers=1) as writer:
+    with (
+        engine or contextlib.nullcontext(),
+        replying or contextlib.nullcontext(),
+        ThreadPoolExecutor(max_workers=1) as writer,
+    ):
         pending: Future | None = None
         for split, parts in work.items():
             folder = recipe.hidden_states_dir / split
             for k in range(progress.done(split), len(parts)):
-                result = process_chunk(recipe, target, parts[k], chunk_seed(recipe, split, rank, k), engine=engine)
+                seed = chunk_seed(recipe, split, rank, k)
+                result = process_chunk(recipe, target, parts[k], seed, engine=engine, replying=replying)
                 if pending is not None:
                     pending.result()
                 pending = writer.submit(_store, progress, split, folder / shard_name(rank, k), result)

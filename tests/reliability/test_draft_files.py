@@ -338,6 +338,13 @@ CASES = [
         ("layer_config.rms_norm_eps must be a number above 0",),
     ),
     Case(
+        "ckpt-rope-theta-zero",  # loads and runs with every logit NaN
+        "ckpt",
+        draft_config("layer_config.rope_parameters.rope_theta", 0),
+        "draft_config.json",
+        ("layer_config.rope_parameters.rope_theta is 0; it must be above 0",),
+    ),
+    Case(
         "ckpt-unknown-activation",
         "ckpt",
         draft_config("layer_config.hidden_act", "warp"),
@@ -546,6 +553,23 @@ CASES = [
     ),
     # -- the speculators (vLLM) format
     Case("spec-config-a-list", "spec", raw(b"[1]", "config.json"), "config.json", ("must be a JSON object",)),
+    Case(
+        "spec-rope-theta-zero",  # the export would hand the zero to vLLM
+        "spec",
+        export_config("transformer_layer_config.rope_theta", 0),
+        "config.json",
+        ("transformer_layer_config.rope_theta is 0; it must be above 0",),
+    ),
+    Case(
+        "spec-yarn-factor-negative",
+        "spec",
+        export_config(
+            "transformer_layer_config.rope_scaling",
+            {"rope_type": "yarn", "factor": -2.0, "original_max_position_embeddings": 2048},
+        ),
+        "config.json",
+        ("transformer_layer_config.rope_scaling.factor is -2.0; it must be above 0",),
+    ),
     Case(
         "spec-hidden-size-10**9",
         "spec",
@@ -806,6 +830,33 @@ EARLY = {
         {"config.json": REAL, "model.safetensors.index.json": '{"weight_map": 5}'},
         ("weight_map must map tensor names to file names",),
     ),
+    # a config no model runs with: every state NaN, or a vocabulary that asks for terabytes
+    "config-negative-norm-eps": (
+        {"config.json": {"rms_norm_eps": -1}, "model.safetensors": REAL},
+        (
+            "target.name_or_path:",
+            "config.json: rms_norm_eps is -1; it must be above 0",
+        ),
+    ),
+    "config-zero-rope-theta": (
+        {"config.json": {"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "model.safetensors": REAL},
+        ("rope_parameters.rope_theta is 0; it must be above 0",),
+    ),
+    "config-nan": (
+        {
+            "config.json": {"rope_parameters": {"rope_type": "default", "rope_theta": float("nan")}},
+            "model.safetensors": REAL,
+        },
+        ("rope_parameters.rope_theta is nan, not a finite number",),
+    ),
+    "config-vocab-10**12": (
+        {"config.json": {"vocab_size": 10**12}, "model.safetensors": REAL},
+        ("vocab_size is 1000000000000; it must be an integer in 1..4,194,304",),
+    ),
+    "custom-code": (
+        {"config.json": {"model_type": "mine", "auto_map": {"AutoConfig": "mine.MyConfig"}}, "model.safetensors": REAL},
+        ("loads only through its own code", "config.json (model_type 'mine')", "never runs"),
+    ),
 }
 # case: (files, needles of `export`, which reads the head, needle of `verify`, which loads the whole target through
 # transformers: it would run a model whose tensors its files lack at random values, so that is refused too)
@@ -832,7 +883,12 @@ def target_recipe(tmp_path: Path, files: dict[str, Any]) -> tuple[Path, Path]:
     """(a recipe whose target is a directory of `files`, that directory)."""
     real = Path(resolve_source(TargetConfig())[0])
     target = tmp_path / "target"
-    target_files({name: real / name if content is REAL else content for name, content in files.items()})(target)
+    written = {}
+    for name, content in files.items():
+        if isinstance(content, dict):  # the real file with these keys changed
+            content = json.dumps({**json.loads((real / name).read_text()), **content})
+        written[name] = real / name if content is REAL else content
+    target_files(written)(target)
     sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]
     return make_recipe(tmp_path / "r", sources, target={"name_or_path": str(target)}), target
 

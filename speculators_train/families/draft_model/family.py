@@ -19,7 +19,8 @@ from speculators_train.families.draft_model.model import DraftModelConfig, Stand
 from speculators_train.families.draft_model.objective import DraftModelObjective
 from speculators_train.families.draft_model.proposer import DraftModelProposer
 from speculators_train.families.draft_model.settings import Settings
-from speculators_train.loading import describe
+from speculators_train.folders import check_model_folder
+from speculators_train.loading import describe, reading
 from speculators_train.target import NO_STATES, StateSpec, Target, TargetHead
 
 
@@ -40,10 +41,15 @@ def starting_model(settings: Settings, target_config: Any) -> nn.Module:
         return AutoModelForCausalLM.from_config(_causal(config), dtype=torch.float32)
     if settings.start == "target_layers":
         return target_layers(target_config, settings.layers)
-    mine, theirs = AutoTokenizer.from_pretrained(settings.start), AutoTokenizer.from_pretrained(target_dir)
-    if mine.get_vocab() != theirs.get_vocab():
-        raise UserError(f"draft.start {settings.start!r}: its tokenizer is not the target's")
-    return AutoModelForCausalLM.from_pretrained(settings.start, dtype=torch.float32, use_safetensors=True)
+    check_model_folder(settings.start, "draft.start")
+    with reading(settings.start, "draft.start"):
+        mine = AutoTokenizer.from_pretrained(settings.start, trust_remote_code=False)
+        theirs = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=False)
+        if mine.get_vocab() != theirs.get_vocab():
+            raise UserError(f"draft.start {settings.start!r}: its tokenizer is not the target's")
+        return AutoModelForCausalLM.from_pretrained(
+            settings.start, dtype=torch.float32, use_safetensors=True, trust_remote_code=False
+        )
 
 
 def cut_layers(text: Any, keep: list[int], config: Any = None) -> Any:

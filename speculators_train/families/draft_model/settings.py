@@ -49,4 +49,12 @@ class Settings(FamilySettings):
         problems = []
         if self.start == "target_layers" and (min(self.layers) < 0 or self.layers != sorted(set(self.layers))):
             problems.append(f"draft.layers {self.layers}: ascending, distinct target layer ids >= 0")
+        if self.start not in ("target_layers", "fresh"):
+            from speculators_train.errors import UserError
+            from speculators_train.folders import check_model_folder
+
+            try:  # a folder from elsewhere: no custom code, safetensors only, a config a model runs with
+                check_model_folder(self.start, "draft.start")
+            except UserError as exc:
+                problems.append(str(exc))
         return problems

@@ -51,6 +51,7 @@ from speculators_train.families.draft_config import (
 )
 from speculators_train.families.format_common import MAX_INTERMEDIATE, MAX_LAYERS, MAX_VOCAB, shown
 from speculators_train.families.vocab import first_ids
+from speculators_train.folders import config_problem
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -136,7 +137,8 @@ class LlamaLayer(BaseModel):
 
 def check_layer(layer: dict[str, Any], prefix: str = "") -> None:
     """`layer` (a LlamaConfig dict) as `LlamaLayer` reads it, with the head layout it implies; ValueError names the
-    key as `prefix` + key (its path in the file)."""
+    key as `prefix` + key (its path in the file). Its RoPE theta and scaling factors must be finite and above 0
+    (`folders.config_problem`): a zero theta loads and runs with every logit NaN."""
     values = checked(LlamaLayer, layer, prefix=prefix)
     hidden = values.hidden_size
     heads = within(values.num_attention_heads, 1, hidden, f"{prefix}num_attention_heads")
@@ -156,6 +158,9 @@ def check_layer(layer: dict[str, Any], prefix: str = "") -> None:
         )
     if values.hidden_act not in ACT2FN:
         raise ValueError(f"{prefix}hidden_act {shown(values.hidden_act)} is not an activation transformers knows")
+    problem = config_problem(layer, prefix)  # what LlamaLayer leaves untyped: RoPE theta and scaling factors
+    if problem:
+        raise ValueError(problem)
 
 
 def checked_config(
