@@ -181,17 +181,31 @@ class OnlineDistiller:
         self.trainee, self.optimizer = self._load_trainee()
         self.held_out: list[Sample] = []
         self.buffer = Buffer(self.cfg.buffer_size)
-        self.rng = random.Random(recipe.seed)
         self.last_ingest: IngestStats | None = None
         self._rebuild()
 
     def _rebuild(self) -> None:
-        """After a restart: the held-out log slice and the buffer from the entries already consumed (the buffer
-        from the latest `buffer_size` training records, scored by the current version)."""
+        """After a restart: the held-out log slice from the entries already consumed, and the buffer as the last
+        commit left it (its records run through the target again, with the scores they had), so a rerun trains on
+        what an uninterrupted run would. A progress file from before the buffer was committed gets the latest
+        `buffer_size` training records, scored by the current version."""
         consumed = [e for e in self.ingestor.entries() if "messages" in e][: self.progress["consumed"]]
         held = [e for e in consumed if is_held_out(e["id"], self.cfg.held_out_fraction)]
-        train = [e for e in consumed if not is_held_out(e["id"], self.cfg.held_out_fraction)]
-        self._take(held[: self.cfg.held_out_records] + train[-self.cfg.buffer_size :])
+        stored = self.progress.get("buffer")
+        if stored is None:
+            train = [e for e in consumed if not is_held_out(e["id"], self.cfg.held_out_fraction)]
+            self._take(held[: self.cfg.held_out_records] + train[-self.cfg.buffer_size :])
+            return
+        self._take(held[: self.cfg.held_out_records])
+        records = {item["record"] for item in stored}
+        entries = [e for e in consumed if e["id"] in records]
+        conversations = [Conversation(e["id"], tuple(e["messages"]), e["origin"]) for e in entries]
+        samples = {sample["id"]: sample for sample in self._samples(conversations)}
+        self.buffer.items = [
+            Scored(item["id"], samples[item["id"]], item["acceptance"], item["rejected"])
+            for item in stored
+            if item["id"] in samples
+        ]
 
     def _optimizer(self, trainee: nn.Module) -> torch.optim.Optimizer:
         """The trainer's optimizer (`training.step`), at the OSD learning rate."""
@@ -363,6 +377,10 @@ class OnlineDistiller:
             self.progress["trainee"] = updates
         self.progress["consumed"] += len(entries)
         self.progress["records_seen"] = record["records_seen"]
+        self.progress["buffer"] = [
+            {"id": item.id, "record": item.sample["record"], "acceptance": item.acceptance, "rejected": item.rejected}
+            for item in self.buffer.items
+        ]
         # before the commit: a restart drops it unless committed
         append_line(self.root / "history.jsonl", to_json(record) + "\n", sync=True)
         self.progress["history_lines"] += 1
@@ -377,8 +395,10 @@ class OnlineDistiller:
         # The recipe's objective for this family, distilling with osd.divergence; the trainer's training step.
         objective = self.family.objective(candidate, self.head, self.recipe.draft, divergence=cfg.divergence)
         objective.train()
+        # Seeded by the update's number: a rerun after a stop draws the batches an uninterrupted run draws.
+        rng = random.Random(f"{self.recipe.seed}:{self.progress['updates']}")
         for _ in range(cfg.steps_per_update):
-            batch = on_device(collate(self.buffer.batch(cfg.batch_size, self.rng)), self.head)
+            batch = on_device(collate(self.buffer.batch(cfg.batch_size, rng)), self.head)
             train_step(self.accelerator, objective, self.optimizer, batch, self.recipe.training.max_grad_norm)
         candidate.eval()
         acceptance = self.scorer.acceptance
