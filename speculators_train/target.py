@@ -122,13 +122,6 @@ class Target:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
-    def chat(self, kwargs=None):
-        """The target's chat template as an engine applies it (`data.chat_template_kwargs`), reading images through
-        its processor."""
-        from speculators_train.data.chat import Chat
-
-        return Chat(self.tokenizer, kwargs or {}, self.processor, self.no_images)
-
     @property
     def reads_images(self) -> bool:
         """A multimodal target (with or without a loadable processor): its records' images are part of the input."""

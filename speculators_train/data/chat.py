@@ -110,6 +110,11 @@ class Chat:
     processor: Any = None
     no_images: str = ""  # why a multimodal target's records with images cannot be read (no processor)
 
+    @classmethod
+    def of(cls, target: Any, kwargs: Mapping[str, Any] | None = None) -> Chat:
+        """A loaded target's chat template as an engine applies it, reading images through its processor."""
+        return cls(target.tokenizer, kwargs or {}, target.processor, target.no_images)
+
     def render(self, messages, prompt: bool) -> str:
         """The template's text for `messages`, with the generation prompt when `prompt`."""
         # A multimodal checkpoint may keep its template with the processor alone (chat_template.jinja)

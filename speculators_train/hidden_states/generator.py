@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save
 from tqdm import tqdm
 
+from speculators_train.data.chat import Chat
 from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.conversations import Conversation, SkipReport, has_images
 from speculators_train.data.mix import Splits
@@ -197,7 +198,7 @@ def process_chunk(
     skips = SkipReport()
     spec = spec or recipe_states(recipe, target)
     data, max_tokens = recipe.data, recipe.generation.max_tokens_per_batch
-    chat = target.chat(data.chat_template_kwargs)
+    chat = Chat.of(target, data.chat_template_kwargs)
     if target.reads_images and engine is not None:
         chunk = _without_images(chunk, "images_not_captured_by_vllm", skips)
     if target.reads_images and data.regenerate.enabled:

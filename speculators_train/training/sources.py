@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from speculators_train.data.chat import Chat
 from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.render import render_many
 from speculators_train.data.splits import chunk_seed, chunks, data_fingerprint, load_splits
@@ -177,7 +178,7 @@ def token_frequencies(recipe: Recipe, splits, target) -> torch.Tensor:
     freq = torch.zeros(vocab_size, dtype=torch.int64)
     data = recipe.data
     for chunk in chunks(splits.train, 1024):
-        chat = target.chat(data.chat_template_kwargs)
+        chat = Chat.of(target, data.chat_template_kwargs)
         for group in render_many(chunk, chat, data.max_length, data.overlong, SkipReport()):
             for sample in group:
                 freq += torch.bincount(sample.input_ids[sample.loss_mask], minlength=vocab_size)
