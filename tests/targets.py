@@ -98,8 +98,9 @@ MISTRAL = (
     "{%- endfor %}"
 )
 
-# Gemma: no system role (it opens the first user turn), the assistant is "model", roles must alternate.
-GEMMA = (
+# Gemma: no system role (it opens the first user turn), the assistant is "model", roles must alternate. The frame
+# around a turn's text is Gemma-2's and Gemma-3's alike.
+GEMMA_TURNS = (
     "{{- bos_token }}"
     "{%- if messages[0].role == 'system' %}{%- set prefix = messages[0].content + '\\n\\n' %}"
     "{%- set loop_messages = messages[1:] %}{%- else %}{%- set prefix = '' %}"
@@ -108,30 +109,21 @@ GEMMA = (
     "{%- if (message.role == 'user') != (loop.index0 % 2 == 0) %}"
     "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
     "{%- set role = 'model' if message.role == 'assistant' else message.role %}"
-    "{{- '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + message.content | trim "
-    "+ '<end_of_turn>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+)
+GEMMA_END = "{%- endfor %}{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+GEMMA = (
+    GEMMA_TURNS + "{{- '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + message.content | trim "
+    "+ '<end_of_turn>\\n' }}" + GEMMA_END
 )
 # Gemma-3: Gemma's turns, with content as text or as parts, an image part written as its start-of-image token (which
 # the processor expands into the image's tokens).
 GEMMA3 = (
-    "{{- bos_token }}"
-    "{%- if messages[0].role == 'system' %}{%- set prefix = messages[0].content + '\\n\\n' %}"
-    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set prefix = '' %}"
-    "{%- set loop_messages = messages %}{%- endif %}"
-    "{%- for message in loop_messages %}"
-    "{%- if (message.role == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
-    "{%- set role = 'model' if message.role == 'assistant' else message.role %}"
-    "{{- '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') }}"
+    GEMMA_TURNS + "{{- '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') }}"
     "{%- if message.content is string %}{{- message.content | trim }}"
     "{%- else %}{%- for part in message.content %}"
     "{%- if part.type == 'image' %}{{- '<start_of_image>' }}{%- elif part.type == 'text' %}{{- part.text | trim }}"
     "{%- endif %}{%- endfor %}{%- endif %}"
-    "{{- '<end_of_turn>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+    "{{- '<end_of_turn>\\n' }}" + GEMMA_END
 )
 
 # Phi-3: the end-of-sequence token closes a conversation rendered without a generation prompt.
