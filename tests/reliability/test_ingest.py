@@ -5,6 +5,7 @@ the hostile-input catalogue."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -161,6 +162,54 @@ SECRETS = [  # (id, text holding it, the secret, the label left)
     ("fullwidth_at", "mail zqxeve\uff20example.com", "zqxeve", "[EMAIL]"),
     ("zero_width_in_key", "sk-proj-\u200b" + "A1b2C3d4" * 4, "A1b2C3d4A1b2C3d4", "[API_KEY]"),
     ("fullwidth_key_prefix", "\uff53\uff4b-" + "Q9w8E7r6T5y4U3i2", "Q9w8E7r6T5y4U3i2", "[API_KEY]"),
+    # the forms of the third hostile-input round: prose, command lines, config files, signed URLs, long values, keys
+    # without their header, base64 payloads, encoded and look-alike labels, prefixes outside the first list
+    ("prose_password", "btw my password is Hunter2!! so use that", "Hunter2!!", "[PASSWORD]"),
+    ("prose_quoted_passcode", "the passcode for the wifi router was 'blue canary'", "blue canary", "[PASSWORD]"),
+    ("cli_password_option", "tool --password Zq8vX1 --verbose", "Zq8vX1", "[PASSWORD]"),
+    ("cli_keytool_storepass", "keytool -list -storepass Ch4ngeIt", "Ch4ngeIt", "[PASSWORD]"),
+    ("cli_mysql_attached", "mysql -h db -u root -pS3cretDb app", "S3cretDb", "[PASSWORD]"),
+    ("cli_sshpass", "sshpass -p 'Tr0ub4dor' ssh admin@host", "Tr0ub4dor", "[PASSWORD]"),
+    ("cli_curl_user", "curl -u deploy:Xk29fLq https://ci.local", "Xk29fLq", "[PASSWORD]"),
+    ("netrc", "machine api.example.net\n  login bob\n  password Wq7zNx", "Wq7zNx", "[PASSWORD]"),
+    ("pgpass", "the pgpass file holds\ndb.internal:5432:app:bob:Pg7pass", "Pg7pass", "[PASSWORD]"),
+    ("short_pass_label", '{"user": "bob", "pass": "Kz81qa"}', "Kz81qa", "[PASSWORD]"),
+    ("docker_auth", '{"auths": {"ghcr.io": {"auth": "Ym9iOmh1bnRlcjI="}}}', "Ym9iOmh1bnRlcjI", "[SECRET]"),
+    ("dotenv_secret", "my .env:\nexport STRIPE_SECRET=wXnqLbRzPt", "wXnqLbRzPt", "[SECRET]"),  # no digit: only as .env
+    ("s3_presigned", "get.tar?X-Amz-Expires=3600&X-Amz-Signature=9f2c41aa07&x=1", "9f2c41aa07", "[SIGNATURE]"),
+    ("azure_sas", "f?sv=2022-11-02&sp=r&sig=Lk3%2Bq9Vz%3D", "Lk3%2Bq9Vz", "[SIGNATURE]"),
+    ("long_labelled_token", "cloudant_key = " + "Ab1" * 120 + "TAILSECRET", "TAILSECRET", "[SECRET]"),
+    (
+        "pem_wrapped_header",
+        f"-----BEGIN RSA PRIVATE\nKEY-----\n{PEM}\n-----END RSA PRIVATE KEY-----",
+        PEM,
+        "[PRIVATE_KEY]",
+    ),
+    ("pem_without_begin", f"here it is:\n{PEM}\n{PEM}\n-----END PRIVATE KEY-----", PEM, "[PRIVATE_KEY]"),
+    ("der_body_without_header", f"the key is {PEM}", PEM, "[PRIVATE_KEY]"),
+    (
+        "putty_key",
+        f"PuTTY-User-Key-File-3: ssh-rsa\nEncryption: none\nPrivate-Lines: 1\n{PEM}\nPrivate-MAC: 0a1b",
+        PEM,
+        "[PRIVATE_KEY]",
+    ),
+    (
+        "base64_wrapped_key",
+        "client-key-data " + base64.b64encode(f"-----BEGIN PRIVATE KEY-----\n{PEM}\n".encode()).decode(),
+        base64.b64encode(b"-----BEGIN PRIVATE KEY-----").decode()[:24],
+        "[ENCODED_SECRET]",
+    ),
+    (
+        "base64_wrapped_token",
+        "blob " + base64.b64encode(b"token: Xq81LmZa0pQ7").decode(),
+        base64.b64encode(b"token: Xq81LmZa0pQ7").decode(),
+        "[ENCODED_SECRET]",
+    ),
+    ("percent_encoded_label", "q=api%5Fkey%3DZk4mQ9pL2xV7", "Zk4mQ9pL2xV7", "[SECRET]"),
+    ("html_escaped_label", "{&quot;password&quot;: &quot;Hn4rT8y&quot;}", "Hn4rT8y", "[PASSWORD]"),
+    ("cyrillic_lookalike_label", "p\u0430ssw\u043erd: Rt5yU8iO", "Rt5yU8iO", "[PASSWORD]"),
+    ("slack_app_token", "xapp-1-A02ABCDEF-1234567890-abcdef0123456789", "1234567890-abcdef", "[API_KEY]"),
+    ("google_refresh_token", "1//0gX7kLmNoPqRsTuVwXyZ0123456789", "gX7kLmNoPqRsTuVwXyZ", "[TOKEN]"),
 ]
 
 
@@ -242,6 +291,16 @@ def test_a_record_id_holding_an_email_is_redacted(tmp_path, key):
         "In 2023-01-15 we sold 1,234,567 units, up 12.5% on 3.14",  # dates, counts, versions
         "the order 4111111111111112 and 1234567890123",  # digit runs failing Luhn are not cards
         "the api key is set in settings",  # a label without a value
+        "* 1-day pass: 2,400 yen",  # `pass` in prose is no label
+        "password = request.form['password']",  # code reading a password, not one
+        "def login(user: str, password: str) -> bool:",  # a type
+        "api_key = 'YOUR_API_KEY_HERE'",  # a placeholder
+        "curl -u $USER:$PASS https://x",  # variables
+        "GITHUB_TOKEN = credentials('github-token')",  # a call
+        "secure login and password protection, data encryption",  # prose
+        "proxy_pass http://127.0.0.1:8000; ping 0.0.0.0",  # loopback and unspecified addresses name no one
+        "Sample Output: 1 3 5 7 9 11 13 15 17 19",  # a digit run passing Luhn by chance, without an issuer digit
+        "\u041f\u0430\u0440\u043e\u043b\u044c \u0441\u043e\u0440 \u0440\u043e\u0441",  # Russian in look-alike letters
     ],
     ids=[
         "identifier_with_sk_",
@@ -254,10 +313,59 @@ def test_a_record_id_holding_an_email_is_redacted(tmp_path, key):
         "dates_and_numbers",
         "non_luhn_digits",
         "label_without_value",
+        "pass_in_prose",
+        "code_reading_a_password",
+        "type_annotation",
+        "placeholder_value",
+        "shell_variables",
+        "a_call",
+        "password_in_prose",
+        "loopback_addresses",
+        "luhn_by_chance",
+        "russian_lookalikes",
     ],
 )
 def test_ordinary_text_is_left_alone(text):
     assert Redactor([], True)(text) == text
+
+
+def test_each_rule_runs_wherever_it_could_match():
+    """A rule runs only on texts its RE2 trigger finds something in: a trigger narrower than the rule would let a
+    secret through unseen. Each rule, run directly on every case of this file and on their decoded forms, changes a
+    text only where its trigger matches."""
+    redactor = Redactor([], True)
+    texts = [case[1] for case in SECRETS] + [case[0] for case in ESCAPED]
+    texts += [f"before {text} after" for text in texts]
+    texts += [redact._decode(text) for text in texts]
+    checked = Counter()
+    for text in texts:
+        for index, rule in enumerate(RULES):
+            lowered = text.lower() if text.isascii() else None
+            if any(step(text, lowered) != text for step in redactor.steps[index]):
+                checked[rule.name] += 1
+                assert redactor.triggers.each[index].search(text.encode("utf-8", "surrogatepass")), (rule.name, text)
+    assert set(checked) == {rule.name for rule in RULES}  # every rule had a case
+
+
+def test_a_secret_inside_nested_encodings_is_found_to_a_bounded_depth():
+    """base64 inside base64 and a percent-encoded JSON-escaped label are decoded level by level; past
+    `DECODE_LEVELS` a payload is left as it is (a bound on the work, not a way around it: ingestion then stores an
+    encoding no reader decodes by accident)."""
+    inner = "token: Xq81LmZa0pQ7"
+    twice = base64.b64encode(base64.b64encode(inner.encode())).decode()
+    out = Redactor([], True)(f"blob {twice} end")
+    assert twice not in out and "[ENCODED_SECRET]" in out
+    assert "Xq81" not in Redactor([], True)("cfg=%7B\\u0022password\\u0022: \\u0022Xq81LmZa0pQ7\\u0022%7D")
+    deep = inner
+    for _ in range(redact.DECODE_LEVELS + 2):
+        deep = base64.b64encode(deep.encode()).decode()
+    assert Redactor([], True)(f"blob {deep} end") == f"blob {deep} end"
+
+
+def test_a_users_pattern_runs_on_text_holding_a_lone_surrogate():
+    """JSON may escape a lone surrogate (`\\ud800`): the decoded text cannot be encoded strictly, which RE2 needs."""
+    text = json.loads('"x \\ud800 secret-12 y"')
+    assert Redactor(["secret-[0-9]+"], True)(text) == "x \ud800 [REDACTED] y"
 
 
 def test_the_documented_list_names_every_builtin_rule():
@@ -295,6 +403,20 @@ ADVERSARIAL = {
     "plus_digits": "'+1 ' * (n // 3)",
     "upper_pairs": "'AB12' * (n // 4)",
     "fullwidth_text": "'\\uff41' * n",
+    "cli_options": "'--password ' * (n // 11)",
+    "netrc_machines": "'machine a ' * (n // 10)",
+    "aws_labels": "'aws key ' * (n // 8)",
+    "percent_escapes": "'%41' * (n // 3)",
+    "html_entities": "'&amp;' * (n // 5)",
+    "key_bodies": "'MIIEowIBAAKCAQEA ' * (n // 17)",
+    "orphan_key_ends": "'-----END PRIVATE KEY-----\\n' * (n // 26)",
+    "putty_headers": "'PuTTY-User-Key-File-2\\n' * (n // 22)",
+    "pgpass_lines": "'a:1:b:c:d\\n' * (n // 10)",
+    "signature_params": "'?sig=' * (n // 5)",
+    "vendor_labels": "'cloudant_key ' * (n // 13)",
+    "prose_passwords": "'password is ' * (n // 12)",
+    "look_alike_words": "'p\\u0430ss ' * (n // 5)",
+    "nested_base64": "base64.b64encode(base64.b64encode(('token: Xq81LmZa0pQ7 ' * (n // 44)).encode())).decode()",
 }
 
 
