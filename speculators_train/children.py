@@ -51,6 +51,21 @@ def run(cmd: list[str], **popen: Any) -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def end_processes(processes: list, grace: float = 5.0) -> None:
+    """SIGTERM to `processes` (psutil.Process objects a library started), SIGKILL to those still running after
+    `grace` seconds; returns once they are gone."""
+    import psutil
+
+    for proc in processes:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, running = psutil.wait_procs(processes, timeout=grace)
+    for proc in running:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(running, timeout=grace)
+
+
 # Reads its standard input until this process dies (the pipe's only writer), then SIGKILLs the processes it was
 # given (pid and start time, so a reused pid is spared). argv: "pid:create_time" ...
 _REAPER = r"""

@@ -21,6 +21,7 @@ import glob
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,23 +207,47 @@ class Engine:
         self.start_seconds = 0.0
 
     def __enter__(self) -> Engine:
-        from vllm import LLM
-
         start = time.perf_counter()
         me = psutil.Process()
         before = {p.pid for p in me.children(recursive=True)}
-        with _environment(*self.env):
-            try:
-                self.llm = LLM(**self.kwargs)
-            except Exception as exc:  # vLLM raises many types; one line names the engine and the files
-                what = f"draft {self.speculative_config['model']}" if self.speculative_config else "target"
-                raise UserError(f"vLLM could not load {what} on {self.model}: {type(exc).__name__}: {exc}") from exc
+        try:
+            self.llm = self._started()
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM during start-up: the half-started engine goes with us
+            children.end_processes([p for p in me.children(recursive=True) if p.pid not in before])
+            raise
         # vLLM's engine core waits for its client forever: a kill -9 here must not leave it holding the model.
         engine = [p for p in me.children(recursive=True) if p.pid not in before]
         self._reaper = children.reaped(engine)
         self._reaper.__enter__()
         self.start_seconds = time.perf_counter() - start
         return self
+
+    def _started(self) -> Any:
+        """`vllm.LLM(...)`, built on a helper thread while this one waits where a signal can reach it: vLLM waits
+        for its engine core in ZeroMQ polls (up to `VLLM_ENGINE_READY_TIMEOUT_S`, ten minutes) whose retry on an
+        interrupted call drops the exception a SIGTERM handler raises, so on the main thread SIGTERM would be lost."""
+        from vllm import LLM
+
+        built: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                with _environment(*self.env):
+                    built["llm"] = LLM(**self.kwargs)
+            except BaseException as exc:  # handed to the waiting thread, which raises it there
+                built["error"] = exc
+
+        thread = threading.Thread(target=build, name="vllm-start", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+        if "error" in built:
+            exc = built["error"]
+            if not isinstance(exc, Exception):
+                raise exc
+            what = f"draft {self.speculative_config['model']}" if self.speculative_config else "target"
+            raise UserError(f"vLLM could not load {what} on {self.model}: {type(exc).__name__}: {exc}") from exc
+        return built["llm"]
 
     def __exit__(self, *exc: object) -> None:
         self.close()

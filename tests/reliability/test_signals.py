@@ -10,6 +10,7 @@ records the processes it has started, and the test checks that none of them outl
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ import glob, importlib, json, os, signal, sys, threading, time
 import psutil
 
 hook, count, pattern, tree_file = sys.argv[1:5]
+delay = float(os.environ.get("TERMINATE_AFTER", "0"))  # seconds after the event: a signal inside a blocking call
 
 
 def terminate():
@@ -51,7 +53,7 @@ if hook:
     def wrapped(*args, **kwargs):
         seen[0] += 1
         if seen[0] == int(count):
-            terminate()
+            threading.Timer(delay, terminate).start() if delay else terminate()
         return original(*args, **kwargs)
 
     setattr(owner, leaf, wrapped)
@@ -67,9 +69,11 @@ main(sys.argv[5:])
 """
 
 
-def terminated(tmp_path: Path, argv: list, hook: str = "", count: int = 1, pattern: str = "") -> list[int]:
-    """Run the CLI until SIGTERM at the event; assert it ended as Ctrl-C does (exit 143, one line on how to resume,
-    no traceback) and return the processes it had started."""
+def terminated(
+    tmp_path: Path, argv: list, hook: str = "", count: int = 1, pattern: str = "", after: float = 0
+) -> list[int]:
+    """Run the CLI until SIGTERM at the event (or `after` seconds past it); assert it ended as Ctrl-C does (exit 143,
+    one line on how to resume, no traceback) and return the processes it had started."""
     tree = tmp_path / "tree.json"
     proc = subprocess.run(
         [sys.executable, "-c", TERMINATOR, hook, str(count), pattern, str(tree), *map(str, argv)],
@@ -77,6 +81,7 @@ def terminated(tmp_path: Path, argv: list, hook: str = "", count: int = 1, patte
         capture_output=True,
         text=True,
         timeout=900,
+        env={**os.environ, "TERMINATE_AFTER": str(after)},
     )
     err = proc.stderr
     assert proc.returncode == 143, f"exit {proc.returncode}:\n{err[-3000:]}"
@@ -145,4 +150,24 @@ def test_verify_ends_its_engine_processes(tmp_path, fitted, engine):
     argv = ["verify", recipe.source_path, "--draft", checkpoint, "--engine", engine, "--out", tmp_path / "v"]
     started = terminated(tmp_path, [*argv, *(x for s in settings for x in ("--set", s))], hook)
     assert started, f"no {engine} process was running"
+    assert_ended(started)
+
+
+def test_sigterm_while_vllm_starts_ends_the_command_and_its_engine(tmp_path, fitted):
+    """SIGTERM two seconds into vLLM's wait for its engine core (a ZeroMQ poll that drops a handler's exception) ends
+    `verify` within seconds, with the half-started engine's processes: before, the command ran until the engine was
+    up and then went on as if nothing had been sent."""
+    pytest.importorskip("vllm")
+    recipe, checkpoint, _, _ = fitted()
+    settings, _ = ENGINES["vllm"]
+    argv = ["verify", recipe.source_path, "--draft", checkpoint, "--engine", "vllm", "--out", tmp_path / "v"]
+    start = time.monotonic()
+    started = terminated(
+        tmp_path,
+        [*argv, *(x for s in settings for x in ("--set", s))],
+        "vllm.v1.engine.utils:wait_for_engine_startup",
+        after=2,
+    )
+    assert time.monotonic() - start < 120
+    assert started, "no vLLM process was running"
     assert_ended(started)
