@@ -441,7 +441,7 @@ for name, make in {ADVERSARIAL!r}.items():
     out[name] = times
 print(json.dumps(out))
 """
-    times = json.loads(in_child(code, timeout=240))
+    times = json.loads(in_child(code, timeout=480))
     for name, (small, large) in times.items():
         assert large < 20, (name, small, large)
         assert large / max(small, 0.02) < 32, (name, small, large)
