@@ -1,7 +1,7 @@
-"""The README's supported-targets table, generated from the target matrix (tests/targets.py) and the engines' own
-answers (`engines/serving.py`: vLLM's registry, llama.cpp's converter and sources): a change of either that the
-README does not show fails here. `SPECULATORS_TRAIN_WRITE_README=1 pytest tests/test_supported_targets.py` rewrites
-the table."""
+"""The supported-targets table of docs/targets.md, generated from the target matrix (tests/targets.py) and the
+engines' own answers (`engines/serving.py`: vLLM's registry, llama.cpp's converter and sources): a change of either
+that the page does not show fails here. `SPECULATORS_TRAIN_WRITE_README=1 pytest tests/test_supported_targets.py`
+rewrites the table."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_the_readme_shows_the_table_the_matrix_and_the_engines_give():
     from speculators_train.engines.llamacpp.converter import ensure_converter
 
     ensure_converter()  # llama.cpp's converter and sources, from the archive its programs are built from
-    readme = REPO / "README.md"
+    readme = REPO / "docs" / "targets.md"
     text = readme.read_text()
     assert START in text and END in text
     before, rest = text.split(START, 1)
@@ -89,4 +89,6 @@ def test_the_readme_shows_the_table_the_matrix_and_the_engines_give():
     fresh = f"{before}{START}\n{table()}\n{END}{after}"
     if os.environ.get("SPECULATORS_TRAIN_WRITE_README") == "1":
         readme.write_text(fresh)
-    assert fresh == text, "README's supported-targets table is stale: rerun with SPECULATORS_TRAIN_WRITE_README=1"
+    assert fresh == text, "the supported-targets table of docs/targets.md is stale: rerun with " + (
+        "SPECULATORS_TRAIN_WRITE_README=1"
+    )
