@@ -156,8 +156,8 @@ def test_every_family_trains_under_fsdp2_like_one_rank_and_exports_the_same_draf
 
 
 def two_nodes(stage: str, recipe: Path) -> None:
-    """The README's multi-node commands on one machine: two torchrun launchers (`--nnodes 2`, one rank each), the
-    first node's address and port as the rendezvous, started at once as on two hosts."""
+    """The multi-node commands of docs/guide/stages.md on one machine: two torchrun launchers (`--nnodes 2`, one
+    rank each), the first node's address and port as the rendezvous, started at once as on two hosts."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

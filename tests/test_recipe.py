@@ -227,7 +227,7 @@ def test_deepspeed_and_fsdp_together_are_refused(tmp_path):
 )
 def test_launch_configs_read_by_accelerate_launch_start_the_strategy_they_name(name, strategy):
     """accelerate's own `launch` argument handling reads each shipped config: two machines, a static rendezvous at
-    machine 0's address, and the distributed type (with ZeRO's stage, FSDP's version) the README says."""
+    machine 0's address, and the distributed type (with ZeRO's stage, FSDP's version) docs/guide/stages.md says."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
     parsed = launch_command_parser().parse_args(["--config_file", str(REPO / "launch" / f"{name}.yaml"), "-m", "x"])

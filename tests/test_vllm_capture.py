@@ -154,7 +154,7 @@ def test_kill_9_during_vllm_capture_resumes_to_the_same_shards(tmp_path, capture
 
 @pytest.mark.slow
 def test_two_nodes_each_capture_with_an_engine_of_their_own(tmp_path, states):
-    """The README's multi-node `generate` with `generation.engine: vllm`: each launcher's rank starts its own vLLM
+    """The multi-node `generate` with `generation.engine: vllm`: each launcher's rank starts its own vLLM
     engine and writes its own shards; together they hold every record with the states one transformers process
     captures."""
     from .test_distributed import two_nodes

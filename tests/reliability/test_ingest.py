@@ -369,7 +369,8 @@ def test_a_users_pattern_runs_on_text_holding_a_lone_surrogate():
 
 
 def test_the_documented_list_names_every_builtin_rule():
-    """The README points at the module docstring: it must list every rule, with its label, in the order they run."""
+    """docs/guide/stages.md points at the package docstring: it must list every rule, with its label, in the order
+    they run."""
     doc = redact.__doc__
     positions = [doc.index(f"    {rule.name} ") for rule in RULES]
     assert positions == sorted(positions)
