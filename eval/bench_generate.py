@@ -4,7 +4,7 @@
 
 Three phases, each in its own subprocess (so peak memory is per phase), over the first N train records
 of the recipe's data (held-out emptied), split into shard-sized chunks and grouped by
-`generator.padded_batches` with `generation.max_tokens_per_batch`, exactly as the generator does:
+`pipeline.padded_batches` with `generation.max_tokens_per_batch`, exactly as the generator does:
 
 - raw_forward: `target.model(input_ids, attention_mask)`, the full HF CausalLM forward with logits;
 - raw_body:    `target.model.get_decoder()(input_ids, attention_mask, use_cache=False)`, no lm_head;
@@ -41,7 +41,7 @@ from speculators_train.data.mix import Splits
 from speculators_train.data.render import render_many
 from speculators_train.data.splits import chunks, load_splits
 from speculators_train.errors import run_script
-from speculators_train.hidden_states import generator
+from speculators_train.hidden_states import generator, pipeline
 from speculators_train.recipe import DEFAULT_RECIPE, Recipe, load_recipe
 from speculators_train.schema import parse_overrides
 from speculators_train.target import Target, load_target
@@ -66,7 +66,7 @@ def _forward_batches(recipe: Recipe, target: Target, splits: Splits) -> Iterator
         chat = Chat(target.tokenizer, data.chat_template_kwargs)
         samples = [s for group in render_many(chunk, chat, data.max_length, data.overlong, skips) for s in group]
         max_tokens = recipe.generation.max_tokens_per_batch
-        for _, lengths, ids, attention in generator.padded_batches(samples, max_tokens, target.device):
+        for _, lengths, ids, attention in pipeline.padded_batches(samples, max_tokens, target.device):
             yield ids, attention, sum(lengths)
 
 

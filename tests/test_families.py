@@ -10,7 +10,7 @@ from speculators_train.data.splits import load_splits
 from speculators_train.export.run import export
 from speculators_train.families.drafts import draft_state_dict, load_draft
 from speculators_train.families.objective import summarize
-from speculators_train.hidden_states.generator import process_chunk
+from speculators_train.hidden_states.pipeline import process_chunk
 from speculators_train.packed import available, packed_linears
 from speculators_train.proposal import Sampling
 from speculators_train.recipe import TargetConfig, load_recipe

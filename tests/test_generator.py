@@ -20,7 +20,8 @@ from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.splits import load_splits
 from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_bytes
-from speculators_train.hidden_states.generator import generate, process_chunk
+from speculators_train.hidden_states.generator import generate
+from speculators_train.hidden_states.pipeline import process_chunk
 from speculators_train.hidden_states.shards import TENSORS, HiddenStateShards, read_manifest, validate
 from speculators_train.packed import available
 from speculators_train.recipe import load_recipe

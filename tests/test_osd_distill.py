@@ -11,7 +11,8 @@ import yaml
 from speculators_train.data.conversations import SkipReport
 from speculators_train.data.mix import load_mix_config, read_source
 from speculators_train.errors import UserError
-from speculators_train.osd.distill import Buffer, OnlineDistiller, Scored, gate
+from speculators_train.osd.distill import OnlineDistiller
+from speculators_train.osd.scoring import Buffer, Scored, gate
 from speculators_train.recipe import load_recipe
 from speculators_train.target import StateSpec
 from speculators_train.training.checkpoint import save_checkpoint

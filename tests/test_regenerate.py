@@ -169,7 +169,7 @@ def test_on_policy_replies_come_from_the_named_model_and_the_states_from_the_tar
     """`data.regenerate.model`: the named model writes each reply (DistillSpec's on-policy data), the stored states
     are still the target's over that text."""
     from speculators_train.data.splits import load_splits
-    from speculators_train.hidden_states.generator import process_chunk
+    from speculators_train.hidden_states.pipeline import process_chunk
     from speculators_train.recipe import load_recipe
 
     from .conftest import SHAREGPT, make_recipe

@@ -112,7 +112,7 @@ class VllmCapture:
         shutil.rmtree(self.spool, ignore_errors=True)
 
     def capture(self, samples: list, dtype: torch.dtype, spec: StateSpec) -> list[dict[str, Any]]:
-        """What `generator.capture` returns for `samples`, from vLLM: the aux states of `spec` and, unless it says
+        """What `pipeline.capture` returns for `samples`, from vLLM: the aux states of `spec` and, unless it says
         not, the final state, in `dtype` on CPU."""
         from vllm import SamplingParams
 

@@ -30,12 +30,10 @@ past the committed count, a half-written last line) and redoes the window.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import random
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +44,15 @@ from speculators_train.data.conversations import Conversation
 from speculators_train.data.mix import is_held_out
 from speculators_train.errors import UserError
 from speculators_train.families import get
-from speculators_train.families.base import Family, LoadedDraft
+from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_checkpoint, load_draft
-from speculators_train.families.objective import predicted_al_key, summarize
 from speculators_train.files import append_line, atomic_write_bytes, atomic_write_json, to_json
-from speculators_train.hidden_states.generator import process_chunk
+from speculators_train.hidden_states.pipeline import process_chunk
 from speculators_train.loading import read_json
 from speculators_train.osd.ingest import IngestStats, LogIngestor
+from speculators_train.osd.plot import plot
 from speculators_train.osd.redact import Redactor
+from speculators_train.osd.scoring import Buffer, Sample, Scored, Scorer, gate, on_device
 from speculators_train.recipe import Recipe
 from speculators_train.target import StateSpec, Target, TargetHead, load_target
 from speculators_train.tracking import init_wandb
@@ -63,86 +62,6 @@ from speculators_train.training.step import accelerator, optimizer, train_step, 
 from speculators_train.verify.suites import answered, load_suite
 
 log = logging.getLogger(__name__)
-Sample = dict[str, torch.Tensor]
-
-
-@dataclass
-class Scored:
-    id: str
-    sample: Sample
-    acceptance: float  # teacher-forced AL(K) of the current draft on this record
-    rejected: float  # share of scored positions whose first draft token is wrong: the buffer's priority
-
-
-class Buffer:
-    """At most `capacity` records, favouring those where the draft was rejected most: when full, a new record
-    replaces the most-accepted one only if it was rejected more. Batches are drawn in proportion to rejection."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.items: list[Scored] = []
-
-    def add(self, item: Scored) -> bool:
-        if len(self.items) < self.capacity:
-            self.items.append(item)
-            return True
-        easiest = min(range(len(self.items)), key=lambda i: self.items[i].rejected)
-        if item.rejected <= self.items[easiest].rejected:
-            return False
-        self.items[easiest] = item
-        return True
-
-    def batch(self, size: int, rng: random.Random) -> list[Sample]:
-        weights = [item.rejected + 0.05 for item in self.items]  # a fully accepted record keeps a small chance
-        return [item.sample for item in rng.choices(self.items, weights=weights, k=min(size, len(self.items)))]
-
-
-def on_device(batch: dict[str, torch.Tensor], like: nn.Module) -> dict[str, torch.Tensor]:
-    device = next(like.parameters()).device
-    return {name: tensor.to(device) for name, tensor in batch.items()}
-
-
-class Scorer:
-    """Teacher-forced acceptance of a draft on samples, through its family's objective scoring K draft steps."""
-
-    def __init__(self, family: Family, head: TargetHead, settings, k: int) -> None:
-        self.family, self.head, self.settings, self.k = family, head, settings, k
-
-    def summary(self, draft: nn.Module, samples: list[Sample], batch_size: int) -> tuple[dict[str, float], str]:
-        """The objective's metrics over `samples` (positions pooled), and the key of the predicted AL in them."""
-        objective = self.family.objective(draft, self.head, self.settings, depth=self.k).eval()
-        sums: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for start in range(0, len(samples), batch_size):
-                _, metrics = objective(on_device(collate(samples[start : start + batch_size]), self.head))
-                for name, pair in metrics.items():
-                    sums[name] = sums[name] + pair if name in sums else pair
-        k = min(self.k, objective.steps)
-        return summarize(sums, k), predicted_al_key(k)
-
-    def acceptance(self, draft: nn.Module, samples: list[Sample], batch_size: int = 4) -> float:
-        """Teacher-forced AL(k) over samples; 1.0 (nothing accepted) for none."""
-        if not samples:
-            return 1.0
-        summary, al = self.summary(draft, samples, batch_size)
-        return summary[al]
-
-    def score(self, draft: nn.Module, record_id: str, sample: Sample) -> Scored:
-        summary, al = self.summary(draft, [sample], 1)
-        return Scored(record_id, sample, summary[al], 1.0 - summary["full_acc_0"])
-
-
-def gate(
-    candidate: tuple[float, float], current: tuple[float, float], margin: float, min_gain: float
-) -> tuple[bool, str]:
-    """(promote?, why) from (log-slice AL, general AL) of the candidate and of the reference: the current version's
-    log-slice AL, and the general AL of the first deployed version."""
-    (log_new, general_new), (log_old, general_old) = candidate, current
-    if log_new <= log_old + min_gain:  # "beats": strictly
-        return False, f"log-slice AL {log_new:.3f} does not beat the current {log_old:.3f} by {min_gain:g}"
-    if general_new < general_old - margin:
-        return False, f"general AL {general_new:.3f} lost more than {margin:g} from the deployed {general_old:.3f}"
-    return True, f"log-slice AL {log_old:.3f} -> {log_new:.3f}, general {general_old:.3f} -> {general_new:.3f}"
 
 
 class OnlineDistiller:
@@ -431,33 +350,3 @@ class OnlineDistiller:
 
     def _general(self, draft: nn.Module) -> float:
         return self.scorer.acceptance(draft, self.general)
-
-
-def plot(history: Path, out: Path) -> None:
-    """Acceptance length vs records seen: each window's traffic under the version serving it, and each update's
-    log-slice AL before/after."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    seen = [r["records_seen"] for r in rows]
-    ax.plot(seen, [r["window_al"] for r in rows], "o-", label="traffic window (current draft)")
-    updates = [r for r in rows if "log_al" in r]
-    ax.plot([r["records_seen"] for r in updates], [r["log_al"] for r in updates], "s--", label="log slice, current")
-    at = [r["records_seen"] for r in updates]
-    ax.plot(at, [r["candidate_log_al"] for r in updates], "^:", label="log slice, candidate")
-    ax.plot(at, [r["general_al"] for r in updates], "x-.", label="general, current")
-    for r in updates:
-        if r["promoted"]:
-            ax.axvline(r["records_seen"], color="grey", alpha=0.3)
-    ax.set_xlabel("log records seen")
-    ax.set_ylabel("acceptance length (teacher-forced)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, out)

@@ -23,7 +23,7 @@ from speculators_train.data.render import render_many
 from speculators_train.data.splits import chunk_seed, chunks, data_fingerprint, load_splits
 from speculators_train.errors import UserError
 from speculators_train.families.base import STATE_LEVELS
-from speculators_train.hidden_states.generator import process_chunk
+from speculators_train.hidden_states.pipeline import process_chunk
 from speculators_train.hidden_states.shards import HiddenStateShards, read_manifest, read_token_freq, stored_states
 from speculators_train.recipe import Recipe
 from speculators_train.training.data import collate, epoch_batches
