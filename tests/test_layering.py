@@ -175,3 +175,20 @@ def test_no_family_imports_another_familys_folder():
                 if len(parts) > 2 and parts[1] == "families" and parts[2] in FAMILIES and parts[2] != name:
                     offenders.append(f"{path.relative_to(REPO)} imports {imported}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_drawing_of_the_layers_matches_the_imports():
+    """docs/architecture.md draws the units in layers: every unit is on one line, and no unit imports one drawn
+    above it (type-only imports included)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = text.split("<!-- layers:start -->", 1)[1].split("<!-- layers:end -->", 1)[0].strip("`\n ")
+    rows = []
+    for line in block.splitlines():
+        names = re.split(r"\s{2,}", line.strip("` "))[0]
+        rows.append({name.strip() for name in names.split("·")})
+    drawn = {name: depth for depth, row in enumerate(rows) for name in row}
+    graph = unit_graph(type_only=True)
+    assert set(graph) <= set(drawn), sorted(set(graph) - set(drawn))
+    upward = [(unit, dep) for unit, deps in graph.items() for dep in deps if drawn[dep] < drawn[unit]]
+    level = [(unit, dep) for unit, deps in graph.items() for dep in deps if dep != unit and drawn[dep] == drawn[unit]]
+    assert not upward and not level, (upward, level)
