@@ -207,7 +207,8 @@ class _Triggers:
 
 class Redactor:
     """Replaces personal data and secrets before anything is stored: the built-in `RULES`, the recipe's regexes, then
-    an optional `module:function` hook (str -> str). Texts are also redacted in their decoded forms."""
+    an optional `module:function` hook (str -> str). Texts are also redacted in their decoded forms. One redactor per
+    thread: it counts how deep it is inside decoded payloads."""
 
     def __init__(self, patterns: list[str], builtin: bool = True, hook: str | None = None) -> None:
         self.rules = RULES if builtin else ()
