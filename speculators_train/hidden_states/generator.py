@@ -12,7 +12,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import save
@@ -21,9 +21,7 @@ from tqdm import tqdm
 from speculators_train.data.config import RegenerateConfig
 from speculators_train.data.conversations import SkipReport
 from speculators_train.data.mix import Splits
-from speculators_train.data.regenerate import (
-    replying_engine,
-)
+from speculators_train.data.regenerate import replying_engine
 from speculators_train.data.splits import SPLITS, chunk_seed, chunks, data_fingerprint, load_splits
 from speculators_train.distributed import process_state
 from speculators_train.errors import UserError
@@ -45,9 +43,6 @@ from speculators_train.loading import open_tensors, read_json
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
 from speculators_train.target import Target, load_target
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
