@@ -5,12 +5,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RECIPE ?= recipes/eagle3.yaml
 
-.PHONY: install demo test test-fast lint bench clean llama-cpp
+.PHONY: install demo test test-fast test-unit lint bench clean llama-cpp
 
 # Torch: keep whatever torch the environment already has (a GPU user's CUDA build); otherwise take the
 # CPU build torch==2.13.0. Everything else is installed against a constraint pinning that torch, so no
 # dependency can swap it for a multi-GB CUDA download.
-# The `speculators` library is installed only to prove our exports load in it (tests/test_export.py). Its
+# The `speculators` library is installed only to prove our exports load in it (tests/integration/test_export.py). Its
 # metadata pins torch, transformers and datasets ranges this project does not share (and would pull a CUDA
 # torch), so it goes in without dependencies, followed by the few it imports that we lack; --no-warn-conflicts keeps
 # pip from printing those deliberately unmet pins as "ERROR: ... dependency conflicts".
@@ -53,12 +53,17 @@ demo: install
 	$(VENV)/bin/speculators-train verify $(RECIPE) --set eval.num_prompts=4 --set eval.max_new_tokens=48
 	$(VENV)/bin/speculators-train export $(RECIPE) --force
 
-test: install
+# Three tiers (tests/unit: no model; tests/integration: the session target in this process; tests/e2e: CLI children,
+# kill sweeps, torchrun and the engines). `test` runs them all and first builds llama.cpp, which the e2e tier serves.
+test: install llama-cpp
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q tests/unit tests/integration
+
+test-unit: install
+	$(PY) -m pytest -q tests/unit
 
 lint: install
 	$(VENV)/bin/ruff check .

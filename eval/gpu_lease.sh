@@ -78,10 +78,10 @@ run() {
     cp speculators_train/target.py /tmp/target.py
     sed -i 's/return torch.bfloat16 if device.type == "cuda" else torch.float32/return torch.float32/' \
         speculators_train/target.py
-    step tests 170 $PY -m pytest -q -p no:cacheprovider --timeout 90 --durations 8 tests/test_verify.py \
-        tests/test_sampling_rules.py "tests/test_train.py::test_tiny_draft_overfits_real_samples" \
-        "tests/test_train.py::test_killed_run_resumes_with_the_same_loss_curve" tests/test_draft_model.py \
-        tests/test_dflash.py
+    step tests 170 $PY -m pytest -q -p no:cacheprovider --timeout 90 --durations 8 tests/integration/test_verify.py \
+        tests/unit/test_sampling_rules.py "tests/e2e/test_train.py::test_tiny_draft_overfits_real_samples" \
+        "tests/e2e/test_train.py::test_killed_run_resumes_with_the_same_loss_curve" tests/integration/test_draft_model.py \
+        tests/integration/test_dflash.py
     cp /tmp/target.py speculators_train/target.py
 
     # 2. The demo slice's states (aux + final, read by every family), the training throughput of the families

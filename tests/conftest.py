@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+TIERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test carries the marker of its tier, the directory it lives in (`-m unit` selects a tier); a test outside
+    the three tiers is a collection error, so none escapes `make test-fast` or the unit tier's guard by accident."""
+    for item in items:
+        tier = Path(item.path).relative_to(REPO / "tests").parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/unit, tests/integration or tests/e2e")
+        item.add_marker(tier)
 
 
 @pytest.fixture(scope="session")
@@ -193,3 +207,39 @@ def states(tmp_path_factory, target):
     recipe = load_recipe(make_recipe(tmp_path_factory.mktemp("states"), sources))
     generate(recipe)
     return recipe.hidden_states_dir
+
+
+# The trainer's tests (tiers integration and e2e) train on the session's `states` with these settings.
+TRAIN = {
+    "batch_size": 4,
+    "learning_rate": 3e-3,
+    "log_every_steps": 1,
+    "wandb": {"mode": "disabled"},
+    "warmup_ratio": 0.0,
+}
+EAGLE3 = {"family": "eagle3", "draft_vocab_size": 1024, "ttt_steps": 3}
+
+
+def run_recipe(tmp_path: Path, states: Path, **sections) -> Path:
+    """A recipe whose run dir already holds `states`, so each test trains on the same hidden states (an EAGLE-3
+    draft unless `draft` names another family)."""
+    draft = sections.pop("draft", {})
+    path = make_recipe(
+        tmp_path,
+        [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}],
+        training={**TRAIN, **sections.pop("training", {})},
+        draft=draft if "family" in draft else {**EAGLE3, **draft},
+        **sections,
+    )
+    shutil.copytree(states, tmp_path / "run" / "hidden_states")
+    return path
+
+
+def losses(run: Path) -> dict[int, float]:
+    """Loss per optimizer step from metrics.jsonl (the last record wins when a killed run re-did a step)."""
+    out = {}
+    for line in (run / "train" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
+    return out

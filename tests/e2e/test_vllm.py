@@ -1,0 +1,292 @@
+"""vLLM as a real engine: every family vLLM serves is loaded by vLLM's own code from the files `export` writes, and
+decodes with the target's own greedy output, accepting drafts. One engine start per family, eager, a small KV cache;
+the target-only reference is decoded once for the module."""
+
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from speculators_train.engines.vllm import Completion, Decoded, SpecCounts, spec_counts
+from speculators_train.errors import UserError
+from speculators_train.families import FAMILIES, get
+from speculators_train.families.drafts import load_draft
+from speculators_train.recipe import load_recipe
+from speculators_train.verify.vllm_run import NGRAM, record, settings
+from tests.conftest import SHAREGPT, make_recipe
+
+MAX_NEW = 48
+
+
+def test_counters_sum_over_engines_and_subtract_per_call():
+    snapshot = [
+        SimpleNamespace(name="vllm:spec_decode_num_drafts", value=10),
+        SimpleNamespace(name="vllm:spec_decode_num_drafts", value=2),  # a second engine's label set
+        SimpleNamespace(name="vllm:spec_decode_num_draft_tokens", value=36),
+        SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=14),
+        SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[8, 4]),
+        SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[1, 0, 1]),
+        SimpleNamespace(name="vllm:num_requests_running", value=3),
+    ]
+    now = spec_counts(snapshot)
+    assert (now.drafts, now.draft_tokens, now.accepted, now.per_position) == (12, 36, 14, [9, 4, 1])
+    call = now - SpecCounts(2, 6, 3, [2, 1])
+    assert (call.drafts, call.accepted, call.per_position) == (10, 11, [7, 3, 1])
+    assert call.acceptance_length == pytest.approx(1 + 11 / 10)
+    assert call.per_position_rates(4) == [0.7, 0.3, 0.1, 0.0]
+    assert (call + call).per_position == [14, 6, 2]
+
+
+def test_a_record_counts_acceptance_identity_and_target_passes_as_vllm_reports_them():
+    # Prompt 1: 4 verify steps at K = 2 accepting 2, 1, 0, 2 -> 1 + 4 + 5 = 10 tokens; prompt 2 forks at token 3
+    # after one step accepting nothing.
+    spec = Decoded([Completion(list(range(10)), 1.0), Completion([5, 6, 7, 9], 1.0)], 2.0, SpecCounts(5, 10, 5, [3, 2]))
+    base = Decoded([Completion(list(range(10)), 2.0), Completion([5, 6, 7, 8], 2.0)], 4.0, SpecCounts())
+    r = record("s", "draft", 2, 0.0, 1.0, 1, spec, base)
+    assert r["acceptance_length"] == pytest.approx(2.0)
+    assert r["per_position_acceptance"] == [pytest.approx(0.6), pytest.approx(0.4)]
+    assert r["draft_acceptance_rate"] == pytest.approx(0.5)
+    assert r["tokens_per_target_pass"] == pytest.approx((14 - 2) / (14 - 2 - 5))
+    assert r["greedy_identical_outputs"] == "1/2" and r["first_divergence"] == [None, 3]
+    assert r["speedup"] == pytest.approx((14 / 2) / (14 / 4))
+    assert r["per_prompt_speedup_quartiles"][1] == pytest.approx(2.0)
+    sampled = record("s", "ngram", 2, 1.0, 1.0, 2, spec, base)
+    assert "greedy_identical_outputs" not in sampled and sampled["shape"] == "ngram(K=2)"
+
+
+def test_settings_run_the_draft_at_each_k_and_ngram_at_the_first(tmp_path):
+    recipe = load_recipe(
+        make_recipe(
+            tmp_path,
+            [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}],
+            eval={"engine": "vllm", "vllm": {"speculative_tokens": [2, 4]}},
+        )
+    )
+    runs = settings(recipe, get("peagle").formats["speculators"], tmp_path / "x")
+    assert [(m, k) for m, k, _ in runs] == [("draft", 2), ("draft", 4), ("ngram", 2)]
+    assert runs[1][2] == {
+        "model": str(tmp_path / "x"),
+        "method": "eagle3",
+        "parallel_drafting": True,
+        "num_speculative_tokens": 4,
+    }
+    assert runs[2][2] == {"method": "ngram", "num_speculative_tokens": 2, **NGRAM}
+
+
+def test_recipe_refuses_what_vllm_cannot_run(tmp_path, monkeypatch):
+    sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]
+    path = make_recipe(tmp_path, sources, eval={"engine": "vllm"})
+    assert load_recipe(path).eval.engine == "vllm"
+    with pytest.raises(UserError, match=r"eval\.engine 'vllm': vLLM drafts chains here"):
+        load_recipe(path, {"eval.mode": "tree"})
+    with pytest.raises(UserError, match=r"eval\.vllm\.speculative_tokens"):
+        load_recipe(path, {"eval.vllm.speculative_tokens": [0]})
+    with pytest.raises(UserError, match=r"eval\.engine 'vllm': vLLM serves no mlp draft"):
+        load_recipe(path, {"draft": {"family": "mlp"}})
+    assert load_recipe(path, {"draft": {"family": "draft_model"}}).eval.engine == "vllm"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_format_a_family_names_for_vllm_is_the_one_that_gives_a_speculative_config(name, tmp_path):
+    """The recipe refuses `eval.engine: vllm` from a declaration that imports nothing; a format's own
+    `vllm_speculative_config` is what `verify --engine vllm` runs. The declared format is the family's first that
+    vLLM serves (EAGLE-3's `gguf` export holds the speculators folder too), and a family that declares none has
+    none."""
+    family = get(name)
+    served = [f for f, fmt in family.formats.items() if fmt.vllm_speculative_config(tmp_path, 1) is not None]
+    assert served[:1] == ([] if family.settings.vllm_format is None else [family.settings.vllm_format])
+
+
+def test_medusa_export_writes_full_vocabulary_heads_and_reads_back_the_trained_draft(tmp_path):
+    from safetensors.torch import load_file
+
+    from speculators_train.families.medusa.formats import load_medusa
+    from speculators_train.families.medusa.model import MedusaConfig, MedusaDraft
+
+    torch.manual_seed(0)
+    config = MedusaConfig(hidden_size=8, num_heads=2, num_layers=1, draft_vocab_size=5, target_vocab_size=12)
+    draft = MedusaDraft(config)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_()
+        draft.d2t.copy_(torch.tensor([1, 2, 2, 4, 6]))  # target ids 1, 3, 4, 7, 10
+        draft.t2d.zero_()
+        draft.t2d[torch.tensor([1, 3, 4, 7, 10])] = True
+    family = get("medusa")
+    cfg, weights = family.formats["speculators"].write(draft, "float32", "v", ["LlamaForCausalLM"], 2)
+    # What vLLM 0.32's Medusa needs to build full-size heads and skip the token_map slicing it cannot load.
+    assert cfg["truncated_vocab_size"] == cfg["vocab_size"] == 12 and cfg["original_lm_head"] is False
+    head = weights["lm_heads.1.weight"]
+    assert head.shape == (12, 8)
+    assert torch.equal(head[[1, 3, 4, 7, 10]], draft.lm_heads[1].weight)
+    assert not head[[0, 2, 5, 6, 8, 9, 11]].any()
+    assert weights["token_map"].tolist() == [1, 3, 4, 7, 10]
+    out = tmp_path / "medusa"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import save_file
+
+    save_file(weights, out / "model.safetensors")
+    back = load_medusa(out, cfg)
+    assert back.config.draft_vocab_size == 5
+    assert torch.equal(back.d2t, draft.d2t)
+    z = torch.randn(3, 8)
+    assert torch.allclose(back(z), draft(z))
+    # A full-size head with other rows not zero is what vLLM runs too: the map is ignored, nothing restricted.
+    weights = load_file(out / "model.safetensors")
+    weights["lm_heads.0.weight"][0] = 1.0
+    save_file(weights, out / "model.safetensors")
+    assert load_medusa(out, cfg).config.draft_vocab_size == 12
+
+
+# --- the real engine -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(target, tmp_path_factory):
+    """vLLM's own target-only greedy output for the fitted prompt (one engine start for the module)."""
+    from speculators_train.data.chat import Chat
+    from speculators_train.engines.vllm import Engine
+    from speculators_train.recipe import TargetConfig
+    from speculators_train.sources import resolve_source
+    from speculators_train.verify.suites import chat_ids
+    from tests.conftest import PROMPT
+
+    prompt = chat_ids(Chat(target.tokenizer), PROMPT)
+    hf_dir = resolve_source(TargetConfig())[0]
+    with Engine(hf_dir) as engine:
+        out = engine.generate([prompt], MAX_NEW, 0.0, 1.0, [0])
+    return hf_dir, prompt, out.completions[0].tokens
+
+
+def vllm_config(out):
+    """vLLM's own reading of an export's config.json: its speculators config classes, or its MedusaConfig."""
+    from vllm.transformers_utils.configs.medusa import MedusaConfig
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    model_type = json.loads((out / "config.json").read_text()).get("model_type")
+    if model_type == "medusa":
+        return MedusaConfig.from_pretrained(str(out))
+    if model_type == "llama":  # a plain model folder (draft_model), read as vLLM reads any model's config
+        from vllm.transformers_utils.config import get_config
+
+        return get_config(str(out), trust_remote_code=False)
+    return SpeculatorsConfig.from_pretrained(str(out))
+
+
+def printed_speculative_config(capsys, argv: list[str]) -> dict:
+    """Run `export` and return the speculative config of the `vllm serve ... --speculative-config` line it prints."""
+    from speculators_train.cli import main
+
+    with pytest.raises(SystemExit) as code:
+        main(argv)
+    assert code.value.code == 0
+    printed = capsys.readouterr().out
+    match = re.search(r"vllm serve \S+ --speculative-config '([^']+)'", printed)
+    assert match, printed
+    return json.loads(match.group(1))
+
+
+@pytest.mark.parametrize("family", ["eagle3", "peagle", "medusa", "draft_model", "dflash"])
+def test_vllm_serves_each_family_from_the_printed_command_with_the_targets_output(
+    family, target, reference, fitted, tmp_path, capsys
+):
+    """The export, the `vllm serve` line `export` prints, run offline as `LLM(speculative_config=...)`: vLLM loads
+    the draft with its own code, accepts its drafts, and gives exactly its target-only greedy output."""
+    from speculators_train.engines.vllm import Engine
+
+    hf_dir, prompt, alone = reference
+    recipe, checkpoint, fitted_prompt, _ = fitted(family)
+    assert fitted_prompt == prompt
+    out = tmp_path / "export"
+    argv = ["export", str(recipe.source_path), "--checkpoint", str(checkpoint), "--out", str(out), "--dtype", "float32"]
+    spec = printed_speculative_config(capsys, argv)
+    assert spec["model"] == str(out)
+    assert load_draft(out, target.num_layers).family.name == family
+    parsed = vllm_config(out)
+    if family == "draft_model":
+        assert (parsed.num_hidden_layers, parsed.vocab_size, parsed.tie_word_embeddings) == (2, 49152, False)
+    elif family == "medusa":
+        assert (parsed.num_heads, parsed.truncated_vocab_size, parsed.vocab_size) == (3, 49152, 49152)
+    elif family == "dflash":  # the target captures our ids; the draft's own ids are one lower; blocks bidirectional
+        assert parsed.architectures == ["DFlashDraftModel"] and parsed.draft_vocab_size == 512
+        assert parsed.eagle_aux_hidden_state_layer_ids == target.aux_layer_ids
+        ids = [i - 1 for i in target.aux_layer_ids]
+        causal = {"sample_from_anchor": False, "causal": False}
+        assert parsed.dflash_config == {"mask_token_id": 16, "target_layer_ids": ids, **causal}
+        from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+
+        assert dflash_has_any_non_causal(parsed)  # vLLM's own rule: the block runs bidirectionally, as trained
+    else:
+        assert parsed.eagle_aux_hidden_state_layer_ids == target.aux_layer_ids
+        assert (parsed.draft_vocab_size, parsed.norm_before_residual) == (512, False)
+        if family == "peagle":
+            assert parsed.architectures == ["PeagleLlamaForCausalLM"] and parsed.pard_token == 16
+    with Engine(hf_dir, spec) as engine:
+        decoded = engine.generate([prompt], MAX_NEW, 0.0, 1.0, [0])
+    assert decoded.completions[0].tokens == alone
+    assert decoded.counts.drafts > 0 and decoded.counts.accepted > 0, decoded.counts
+
+
+def test_vllm_regeneration_answers_each_turn_as_vllm_answers_the_prompt_alone(target, reference):
+    """`data.regenerate.engine: vllm`: the reply to a turn is what vLLM answers that rendered prompt alone, and a
+    later turn is answered after the regenerated earlier one."""
+    from speculators_train.data.chat import Chat
+    from speculators_train.data.config import RegenerateConfig
+    from speculators_train.data.conversations import Conversation
+    from speculators_train.data.regenerate import regenerate_vllm
+    from tests.conftest import PROMPT
+
+    hf_dir, _, alone = reference
+    conv = Conversation(
+        "t:0",
+        (
+            PROMPT[0],
+            {"role": "assistant", "content": "ORIGINAL ONE"},
+            {"role": "user", "content": "Say it again, shorter."},
+            {"role": "assistant", "content": "ORIGINAL TWO"},
+        ),
+        "x",
+    )
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=MAX_NEW, engine="vllm")
+    (out,) = regenerate_vllm([conv], Chat(target.tokenizer), cfg, max_length=512, seed=0, model=hf_dir)
+    assert [m["role"] for m in out.messages] == ["user", "assistant", "user", "assistant"]
+    assert out.messages[1]["content"] == target.tokenizer.decode(alone, skip_special_tokens=True).strip()
+    assert out.messages[3]["content"] not in ("", "ORIGINAL TWO")
+
+
+# Each architecture class vLLM serves here, one engine start each (tests/integration/test_targets.py: the rest)
+VLLM_CLASSES = {"gpt-oss": {}, "llama4": {"attention_chunk_size": 128}}
+
+
+@pytest.mark.parametrize("name", list(VLLM_CLASSES))
+def test_vllm_serves_the_printed_eagle3_line_on_each_architecture_class(tmp_path, capsys, name):
+    """What only this proves: vLLM's own model classes for these architectures read our EAGLE-3 export's aux
+    layers from the target, accept its drafts and decode exactly the target's greedy output (transformers' own,
+    which the draft was fitted to: one engine start each)."""
+    from dataclasses import replace
+
+    from speculators_train.engines.vllm import Engine
+    from speculators_train.families.drafts import load_draft
+    from tests.conftest import fit
+    from tests.integration.test_targets import load, matrix_recipe
+    from tests.targets import BY_NAME, build, text_decoder_folder
+
+    arch = BY_NAME[name]
+    folder = build(replace(arch, config={**arch.config, **VLLM_CLASSES[name]}), tmp_path / "target")
+    if name == "llama4":
+        folder = text_decoder_folder(folder, tmp_path / "text")
+    target = load(lambda _: folder, name)
+    _, checkpoint, prompt, reply = fit(target, tmp_path / "fit", "eagle3")
+    recipe = matrix_recipe(tmp_path, folder, "eagle3")
+    out = tmp_path / "export"
+    spec = printed_speculative_config(
+        capsys, ["export", str(recipe), "--checkpoint", str(checkpoint), "--out", str(out), "--dtype", "float32"]
+    )
+    assert load_draft(out, target.num_layers).family.name == "eagle3"
+    with Engine(str(folder), spec) as engine:
+        decoded = engine.generate([prompt], len(reply), 0.0, 1.0, [0])
+    assert decoded.completions[0].tokens == reply
+    assert decoded.counts.drafts > 0 and decoded.counts.accepted > 0, decoded.counts

@@ -1,0 +1,126 @@
+"""Paths a careless operator or an attacker chooses: an export directory over the run it reads, paths that break
+out of the printed commands' quoting, links planted in a run directory or a logs directory. Each is refused with
+one line or skipped with a note; nothing is deleted, run or read outside what the user named."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from speculators_train import families
+from speculators_train.cli import main
+from speculators_train.recipe import TargetConfig
+from speculators_train.target import load_head_weights
+from speculators_train.training.checkpoint import save_checkpoint
+from tests.conftest import SHAREGPT, make_recipe
+from tests.faults import clean_error, run_cli
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[Path, Path]:
+    """(recipe, run directory): an EAGLE-3 checkpoint in train/checkpoints and a file standing for stored states."""
+    root = tmp_path_factory.mktemp("paths")
+    recipe = make_recipe(root, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}])
+    config, head = load_head_weights(TargetConfig())
+    family = families.get("eagle3")
+    settings = family.settings(family="eagle3", draft_vocab_size=64)
+    torch.manual_seed(0)
+    draft = family.new_draft(settings, config, head, torch.ones(config.vocab_size), [2, 15, 27])
+    save_checkpoint(root / "run" / "train" / "checkpoints", 1, draft, None, {"step": 1}, keep_last=1)
+    (root / "run" / "hidden_states").mkdir()
+    (root / "run" / "hidden_states" / "manifest.json").write_text("{}")
+    return recipe, root / "run"
+
+
+def contents(directory: Path) -> list[str]:
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*"))
+
+
+@pytest.mark.parametrize("where", ["run", "run-parent", "checkpoints", "inside-checkpoint", "hidden-states"])
+def test_an_export_over_what_it_reads_is_refused_and_deletes_nothing(tmp_path, capsys, run, where):
+    recipe, run_dir = run
+    out = {
+        "run": run_dir,
+        "run-parent": run_dir.parent,
+        "checkpoints": run_dir / "train" / "checkpoints",
+        "inside-checkpoint": run_dir / "train" / "checkpoints" / "step-000001" / "export",
+        "hidden-states": run_dir / "hidden_states",
+    }[where]
+    before = contents(run_dir)
+    clean_error(["export", recipe, "--force", "--out", out], capsys, f"--out {out}", "which the export reads")
+    assert contents(run_dir) == before
+
+
+def test_force_replaces_a_previous_export_and_nothing_else(tmp_path, capsys, run):
+    recipe, _ = run
+    out = tmp_path / "export"
+    assert run_cli(["export", recipe, "--out", out], capsys)[0] == 0
+    code, err = run_cli(["export", recipe, "--force", "--out", out], capsys)
+    assert code == 0, err
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("a user's own files")
+    clean_error(["export", recipe, "--force", "--out", mine], capsys, "is not an export of this toolkit")
+    assert (mine / "notes.txt").read_text() == "a user's own files"
+
+
+def test_printed_commands_keep_a_hostile_path_one_argument(tmp_path, capsys, run):
+    """Each printed line, pasted into a shell whose `vllm` only prints its arguments, runs nothing else and passes
+    the export directory through unchanged."""
+    recipe, _ = run
+    out = tmp_path / "x'; touch PWNED; echo '$(touch PWNED2)`touch PWNED3`"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(["export", str(recipe), "--out", str(out), "--set", "export.verifier=hub/id'; touch PWNED4; echo x"])
+    assert done.value.code == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("vllm serve")]
+    assert lines
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "vllm").write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    (stubs / "vllm").chmod(0o755)
+    for line in lines:
+        shown = subprocess.run(
+            ["bash", "-c", line], cwd=tmp_path, env={**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}"},
+            capture_output=True, text=True, check=True,
+        ).stdout.splitlines()  # fmt: skip
+        assert shown == shlex.split(line)[1:]
+        assert str(out) in shown or "hub/id'; touch PWNED4; echo x" in shown
+        config = shown[shown.index("--speculative-config") + 1] if "--speculative-config" in shown else None
+        assert config is None or json.loads(config)["model"] == str(out)
+    assert not any(tmp_path.glob("PWNED*"))
+    readme = (out / "README.md").read_text()
+    assert all(line in readme for line in lines)
+
+
+def test_a_link_planted_in_a_run_directory_is_refused(tmp_path, capsys):
+    recipe = make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 4}])
+    outside = tmp_path / "outside.txt"
+    (tmp_path / "run" / "train").mkdir(parents=True)
+    (tmp_path / "run" / "train" / "metrics.jsonl").symlink_to(outside)  # dangling: train would create it
+    clean_error(["train", recipe], capsys, "metrics.jsonl is a symbolic link", "remove it")
+    assert not outside.exists()
+
+
+def test_a_link_out_of_the_logs_directory_is_not_ingested(tmp_path, capsys):
+    recipe = make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 4}])
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    secret = tmp_path / "elsewhere.jsonl"
+    record = {"id": "x", "messages": [{"role": "user", "content": "private text"}], "response": "not for training"}
+    secret.write_text(json.dumps(record) + "\n")
+    (logs / "b.jsonl").symlink_to(secret)
+    record = {"id": "r0", "messages": [{"role": "user", "content": "Sort a list?"}], "response": "Use sorted()."}
+    (logs / "a.jsonl").write_text(json.dumps(record) + "\n")
+    code, err = run_cli(["osd", recipe, "--ingest-only", "--logs", logs], capsys)
+    text = " ".join(err.split())
+    assert code == 0, err
+    assert "ingested 1 new records" in text and "b.jsonl: a link to a file outside" in text, text
+    stored = "".join(p.read_text() for p in (tmp_path / "run" / "osd").rglob("*") if p.is_file())
+    assert "private text" not in stored and "Sort a list?" in stored
