@@ -10,8 +10,8 @@ RECIPE ?= recipes/eagle3.yaml
 # Torch: keep whatever torch the environment already has (a GPU user's CUDA build); otherwise take the
 # CPU build torch==2.13.0. Everything else is installed against a constraint pinning that torch, so no
 # dependency can swap it for a multi-GB CUDA download.
-# The `speculators` library is installed only to prove our exports load in it (tests/integration/test_export.py). Its
-# metadata pins torch, transformers and datasets ranges this project does not share (and would pull a CUDA
+# The `speculators` library is installed only to prove our exports load in it (tests/integration/test_export.py).
+# Its metadata pins torch, transformers and datasets ranges this project does not share (and would pull a CUDA
 # torch), so it goes in without dependencies, followed by the few it imports that we lack; --no-warn-conflicts keeps
 # pip from printing those deliberately unmet pins as "ERROR: ... dependency conflicts".
 SPECULATORS := speculators==0.9.0 hs-connectors==0.9.0
