@@ -44,7 +44,7 @@ def main() -> None:
         (Path(tmp) / "hidden_states").symlink_to(states)
         recipe = load_recipe(args.recipe, {**overrides, "output_dir": tmp, "training.wandb.mode": "disabled"})
         trainer = Trainer(recipe)
-        model, device = trainer.model, trainer.accelerator.device
+        model, device = trainer.objective, trainer.accelerator.device
         batches = (batch for batch, _ in trainer.source.epoch(0, None))
 
         def step() -> int:

@@ -109,13 +109,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from speculators_train.training.step import accelerator
+    from speculators_train.training.strategy import accelerator, for_recipe
     from speculators_train.training.trainer import Trainer
 
     recipe = _recipe(args)
-    acc = accelerator(recipe)  # the process group first: it decides which rank holds the lock
+    strategy = for_recipe(recipe)
+    accelerator(recipe, strategy)  # the process group first: it decides which rank holds the lock
     with exclusive(recipe.run_dir / "train", "train"):
-        trainer = Trainer(recipe, acc)
+        trainer = Trainer(recipe, strategy)
         metrics = trainer.train()
     if trainer.accelerator.is_main_process:
         _report_training(trainer, metrics)
@@ -129,7 +130,7 @@ def _report_training(trainer, metrics: dict[str, float]) -> None:
     table = Table(title=f"held-out metrics after step {trainer.state['step']} ({trainer.ckpt_dir})")
     for column in (family.step_label, *family.columns):
         table.add_column(column, justify="right")
-    for i in range(trainer.steps):
+    for i in range(trainer.chain_length):
         table.add_row(str(i), *(f"{metrics[key(name, i)]:.3f}" for name in family.columns))
     console.print(table)
     console.print(f"predicted acceptance length at {trainer.al_depth} draft tokens: {metrics[trainer.al_key]:.2f}")

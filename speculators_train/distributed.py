@@ -59,3 +59,15 @@ def deepspeed_process_state(cuda: bool):
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     os.environ.pop("ACCELERATE_USE_CPU", None)  # the recipe asked for DeepSpeed; the CPU flag would switch it off
     return PartialState(cpu=False, **({} if cuda else {"backend": "gloo"}))
+
+
+def across_ranks(acc, value: float, op: str) -> float:
+    """The largest (`op` "max") or smallest ("min") `value` of any rank, of `value`'s type; every rank must call.
+    Ranks' clocks and data shares differ: a budget or a count must stop or pad them all alike."""
+    if acc.num_processes == 1:
+        return value
+    import torch.distributed as dist
+
+    tensor = torch.tensor(value, device=acc.device, dtype=torch.float64 if isinstance(value, float) else torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
+    return type(value)(tensor)

@@ -58,7 +58,8 @@ from speculators_train.target import StateSpec, Target, TargetHead, load_target
 from speculators_train.tracking import init_wandb
 from speculators_train.training import checkpoint as ckpt
 from speculators_train.training.data import collate
-from speculators_train.training.step import accelerator, optimizer, train_step, trainable
+from speculators_train.training.step import optimizer, train_step, trainable
+from speculators_train.training.strategy import accelerator
 from speculators_train.verify.suites import answered, load_suite
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class OnlineDistiller:
         t = self.target
         self.head = TargetHead.from_target(t).to(next(t.model.parameters()).device)
         self.scorer = Scorer(self.family, self.head, recipe.draft, recipe.eval.num_speculative_tokens)
-        self.accelerator = accelerator(recipe, distributed=False)
+        self.accelerator = accelerator(recipe)
         progress = self.root / "progress.json"
         self.progress = read_json(progress, "OSD progress") if progress.is_file() else None
         if self.progress is None:

@@ -60,6 +60,11 @@ def save_checkpoint(
     return final
 
 
+def shard_name(rank: int, world: int) -> str:
+    """The file of a checkpoint holding one rank's slice of the optimizer state (FSDP2)."""
+    return f"optimizer-rank{rank:05d}-of-{world:05d}.pt"
+
+
 def stage_shards(root: Path, step: int) -> Path:
     """Where each rank writes its file of a checkpoint before rank 0 moves them in (rank 0 calls this, between
     barriers; a directory left by a killed save is removed first). Every rank must see `root`: a shared

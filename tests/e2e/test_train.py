@@ -398,7 +398,7 @@ def test_acceptance_guided_selection_trains_on_the_samples_the_draft_fails_on(tm
         assert seen <= set(source.kept)
         chosen[by] = source.kept
     scorer = Trainer(load_recipe(run_recipe(tmp_path / "scorer", states, training={"init_from": str(start)})))
-    scores = acceptance_lengths(scorer.model, scorer.source.train, torch.device("cpu"))
+    scores = acceptance_lengths(scorer.objective, scorer.source.train, torch.device("cpu"))
     assert max(scores[i] for i in chosen["acceptance"]) <= min(
         scores[i] for i in range(len(scores)) if i not in chosen["acceptance"]
     )
