@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from speculators_train.errors import UserError, run_script
+from speculators_train.layout import METRICS, train_dir
 from speculators_train.recipe import DEFAULT_RECIPE, load_recipe
 from speculators_train.schema import parse_overrides
 
@@ -90,7 +91,7 @@ def main() -> None:
             out.mkdir()
             (out / "hidden_states").symlink_to(states)
             seconds, rss = launch(Path(args.recipe), out, args.ranks, [*common, *STRATEGIES[name]])
-            lines = [json.loads(x) for x in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+            lines = [json.loads(x) for x in (train_dir(out) / METRICS).read_text().splitlines()]
             rates = [r["tokens_per_s"] for r in lines if "tokens_per_s" in r][2:]
             memory = next(r for r in lines if "memory/weights_mib" in r)
             results.append(

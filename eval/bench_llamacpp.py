@@ -27,6 +27,7 @@ from rich.table import Table
 
 from speculators_train.engines.llamacpp.build import ensure_built, version
 from speculators_train.errors import UserError, run_script
+from speculators_train.layout import checkpoints_dir
 from speculators_train.recipe import DEFAULT_RECIPE, load_recipe
 from speculators_train.schema import parse_overrides
 from speculators_train.verify.engine import target_files
@@ -72,7 +73,7 @@ def main() -> None:
     if args.max_new_tokens:
         overrides["eval.max_new_tokens"] = args.max_new_tokens
     recipe = load_recipe(args.recipe, {**overrides, "eval.engine": "llama.cpp"})
-    draft = Path(args.draft) if args.draft else recipe.run_dir / "train" / "checkpoints"
+    draft = Path(args.draft) if args.draft else checkpoints_dir(recipe.run_dir)
     cfg = recipe.eval.llama_cpp
 
     costs = {name: verify_batch_costs(f, max(cfg.speculative_tokens), args.depth, cfg.threads)

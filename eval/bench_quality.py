@@ -38,6 +38,14 @@ from rich.console import Console
 from rich.table import Table
 
 from speculators_train.errors import UserError, run_script
+from speculators_train.layout import (
+    METRICS,
+    checkpoints_dir,
+    latest_checkpoint,
+    read_trainer_state,
+    train_dir,
+    verify_results,
+)
 from speculators_train.loading import read_json, read_json_object
 from speculators_train.recipe import Recipe, load_recipe
 from speculators_train.schema import parse_overrides
@@ -80,11 +88,9 @@ def train_variant(recipe_path: Path, recipe: Recipe, name: str, overrides: dict[
 
 def held_out(run: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the last validation record, the trainer state of the latest checkpoint)."""
-    records = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines() if line]
+    records = [json.loads(line) for line in (train_dir(run) / METRICS).read_text().splitlines() if line]
     last = [r for r in records if any(k.startswith("val/") for k in r)][-1]
-    ckpts = run / "train" / "checkpoints"
-    step = read_json_object(ckpts / "latest.json", "checkpoint pointer")["step"]
-    state = read_json_object(ckpts / f"step-{step:06d}" / "trainer_state.json", "trainer state")
+    state = read_trainer_state(latest_checkpoint(checkpoints_dir(run)))
     return last, state
 
 
@@ -99,8 +105,7 @@ def loop_al(recipe_path: Path, overrides: dict[str, Any], run: Path, args: argpa
         "eval.max_new_tokens": args.max_new_tokens,
     }
     _cli("verify", str(recipe_path), *_sets({"output_dir": str(run), **overrides, **evals}), "--engine", args.engine)
-    newest = max((run / "verify").iterdir(), key=lambda p: p.name)
-    return read_json(newest / "results.json", "verify results")
+    return read_json(verify_results(run)[0], "verify results")
 
 
 def draft_ms(record: dict[str, Any]) -> float | None:

@@ -27,6 +27,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from speculators_train.errors import run_script
+from speculators_train.layout import checkpoints_dir
 from speculators_train.proposal import Sampling, TreeSpec
 from speculators_train.recipe import DEFAULT_RECIPE, load_recipe
 from speculators_train.schema import parse_overrides
@@ -75,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     recipe = load_recipe(args.recipe, parse_overrides(args.set))
     target = load_target(recipe.target)
-    draft_path = Path(args.draft) if args.draft else recipe.run_dir / "train" / "checkpoints"
+    draft_path = Path(args.draft) if args.draft else checkpoints_dir(recipe.run_dir)
     loaded = load_draft_for(target, draft_path)
     family, draft = loaded.family, loaded.draft
     suite_path = recipe.resolve_path(recipe.eval.suites[0], "eval.suites")

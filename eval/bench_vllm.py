@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from speculators_train.errors import run_script
+from speculators_train.layout import checkpoints_dir
 from speculators_train.recipe import DEFAULT_RECIPE, load_recipe
 from speculators_train.schema import parse_overrides
 from speculators_train.verify.run import verify
@@ -58,7 +59,7 @@ def main() -> None:
         "eval.temperatures": temperatures,
     }
     recipe = load_recipe(args.recipe, engine_overrides)
-    draft = Path(args.draft) if args.draft else recipe.run_dir / "train" / "checkpoints"
+    draft = Path(args.draft) if args.draft else checkpoints_dir(recipe.run_dir)
     out_dir, engine_records = verify(recipe, draft)
     native = []
     if not args.no_native:

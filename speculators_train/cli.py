@@ -15,6 +15,7 @@ from rich.text import Text
 from speculators_train.data.conversations import SkipReport
 from speculators_train.errors import UserError, interrupted, os_error, terminate_like_interrupt
 from speculators_train.files import to_json
+from speculators_train.layout import checkpoints_dir, osd_dir, train_dir
 from speculators_train.recipe import Recipe, load_recipe
 from speculators_train.runlock import exclusive
 from speculators_train.schema import parse_overrides
@@ -115,7 +116,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     recipe = _recipe(args)
     strategy = for_recipe(recipe)
     accelerator(recipe, strategy)  # the process group first: it decides which rank holds the lock
-    with exclusive(recipe.run_dir / "train", "train"):
+    with exclusive(train_dir(recipe.run_dir), "train"):
         trainer = Trainer(recipe, strategy)
         metrics = trainer.train()
     if trainer.accelerator.is_main_process:
@@ -128,10 +129,10 @@ def _report_training(trainer, metrics: dict[str, float]) -> None:
 
     family = trainer.family
     table = Table(title=f"held-out metrics after step {trainer.state['step']} ({trainer.ckpt_dir})")
-    for column in (family.step_label, *family.columns):
+    for column in (family.step_label, *trainer.columns):
         table.add_column(column, justify="right")
     for i in range(trainer.chain_length):
-        table.add_row(str(i), *(f"{metrics[key(name, i)]:.3f}" for name in family.columns))
+        table.add_row(str(i), *(f"{metrics[key(name, i)]:.3f}" for name in trainer.columns))
     console.print(table)
     console.print(f"predicted acceptance length at {trainer.al_depth} draft tokens: {metrics[trainer.al_key]:.2f}")
     print(to_json({"step": trainer.state["step"], "tokens": trainer.state["tokens"], **metrics}))
@@ -142,7 +143,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from speculators_train.verify.run import verify
 
     recipe = _recipe(args)
-    draft = Path(args.draft) if args.draft else recipe.run_dir / "train" / "checkpoints"
+    draft = Path(args.draft) if args.draft else checkpoints_dir(recipe.run_dir)
     out_dir, records = verify(recipe, draft, Path(args.out) if args.out else None)
     print(markdown(records))
     for record in records:
@@ -180,7 +181,7 @@ def cmd_osd(args: argparse.Namespace) -> int:
     if not logs:
         raise UserError(f"{recipe.source_path}: no logs directory: pass --logs DIR or set osd.logs")
     logs_dir = Path(logs) if args.logs else recipe.resolve_path(logs, "osd.logs", directory=True)
-    root = recipe.run_dir / "osd"
+    root = osd_dir(recipe.run_dir)
     with exclusive(root, "osd"):
         return _osd(args, recipe, logs_dir, root)
 

@@ -11,7 +11,6 @@ the recipe's never changes the target everybody shares.
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import json
 import logging
@@ -24,11 +23,11 @@ import torch
 from torch import nn
 
 from speculators_train.architectures import is_composite, model_class, text_config, text_decoder
-from speculators_train.chunks import chunk_rows, chunked
 from speculators_train.errors import UserError
-from speculators_train.loading import describe, open_tensors, reading
+from speculators_train.head import TargetHead, logit_softcap, meta_model, softcapped
+from speculators_train.loading import describe, reading
 from speculators_train.packed import packed_linears
-from speculators_train.sources import TargetConfig, _weight_map, resolve_source
+from speculators_train.sources import TargetConfig, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -252,195 +251,14 @@ class Target:
         `rows`: the row count to tune for. No-grad forwards only, and no weight may change inside the block."""
         return packed_linears([self.model, *others] if self.cpu_packed_weights else [], rows)
 
+    def head(self) -> TargetHead:
+        """The target's final norm + lm_head as a frozen head: its own norm module and lm_head weight (shared, not
+        copied for the norm)."""
+        return TargetHead(self.final_norm, self.lm_head.weight.detach(), logit_softcap(self.config))
+
     def logits_from_final(self, final: torch.Tensor) -> torch.Tensor:
         """Target logits from a stored pre-norm final state: lm_head(norm(h_N)), soft-capped as the target caps."""
         return softcapped(self.lm_head(self.final_norm(final)), logit_softcap(self.config))
-
-
-def logit_softcap(config) -> float | None:
-    """The target's final logit soft-capping (Gemma 2/3: logits = cap * tanh(logits / cap)), None without one.
-    Refuses a head that scales its logits (Cohere, Granite), which this module does not reproduce, so a draft is
-    never distilled against logits that are not the target's."""
-    text = text_config(config)
-    scales = {key: getattr(text, key, None) for key in ("logit_scale", "logits_scaling")}
-    scales = {key: value for key, value in scales.items() if value not in (None, 1, 1.0)}
-    if scales:
-        raise UserError(
-            f"target model_type {text.model_type!r} scales its logits ({scales}): the training head reproduces the "
-            "target's final norm + lm_head with optional soft-capping only"
-        )
-    return getattr(text, "final_logit_softcapping", None) or None
-
-
-def softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """cap * tanh(logits / cap), in the order HF computes it; `logits` unchanged without a cap."""
-    return logits if cap is None else torch.tanh(logits / cap) * cap
-
-
-def norm_offset(norm: nn.Module) -> float:
-    """1.0 for a norm that scales by (1 + w) (Gemma, Qwen3-Next store the weight as an offset from 1), 0.0 for one
-    that scales by w: read off the target's own norm module, which a zero weight leaves the identity or zero."""
-    probe = copy.deepcopy(norm).to_empty(device="cpu").float()
-    with torch.no_grad():
-        for param in probe.parameters():
-            param.zero_()
-        out = probe(torch.ones(1, probe.weight.shape[-1]))
-    return 1.0 if out.abs().sum() > 0 else 0.0
-
-
-def head_norm_offset(config) -> float:
-    """`norm_offset` of the final norm of a target with this config (built on the meta device, no weights)."""
-    return norm_offset(text_decoder(meta_model(config)).norm)
-
-
-class TargetHead(nn.Module):
-    """The target's final norm + lm_head (+ logit soft-capping where the target has it), frozen: turns stored
-    pre-norm states into target logits."""
-
-    def __init__(self, norm: nn.Module, lm_head_weight: torch.Tensor, softcap: float | None = None) -> None:
-        super().__init__()
-        self.norm = norm
-        # on the weight's device: a head made from a CUDA target must not compute on the CPU
-        self.lm_head = nn.Linear(
-            lm_head_weight.shape[1], lm_head_weight.shape[0], bias=False, device=lm_head_weight.device
-        )
-        with torch.no_grad():
-            self.lm_head.weight.copy_(lm_head_weight)
-        self.softcap = softcap
-        self.requires_grad_(False)
-
-    @classmethod
-    def from_weights(cls, config, weights: dict[str, torch.Tensor]) -> TargetHead:
-        """From `load_head_weights`' config and tensors, without the model: the final norm is a module of the
-        target's own class (Llama's RMSNorm, Gemma's 1 + w, whatever the architecture uses)."""
-        softcap = logit_softcap(config)  # first: a head this module does not reproduce is refused before any work
-        norm = copy.deepcopy(text_decoder(meta_model(config)).norm).to_empty(device="cpu").float()
-        with torch.no_grad():
-            for name, param in norm.named_parameters():
-                param.copy_(weights[HEAD_NORM_PREFIX + name])
-        return cls(norm, weights["lm_head"], softcap)
-
-    @classmethod
-    def from_target(cls, target: Target) -> TargetHead:
-        """The loaded target's own norm module and lm_head weight (shared, not copied for the norm)."""
-        return cls(target.final_norm, target.lm_head.weight.detach(), logit_softcap(target.config))
-
-    def forward(self, final: torch.Tensor) -> torch.Tensor:
-        return softcapped(self.lm_head(self.norm(final)), self.softcap)
-
-    def on(self, final: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The target's logits over the ids whose lm_head rows are `weight` only (a draft vocabulary), float32."""
-        normed = self.norm(final.to(self.lm_head.weight.dtype))
-        return softcapped(nn.functional.linear(normed, weight), self.softcap).float()
-
-    @torch.no_grad()
-    def greedy(self, final: torch.Tensor) -> torch.Tensor:
-        """The target's top-1 id over its whole vocabulary [..., T] from pre-norm states [..., T, H], computed over
-        chunks of positions: the full-vocabulary logits of a long sample never exist at once."""
-        flat = final.reshape(-1, final.shape[-2], final.shape[-1]) if final.dim() > 2 else final[None]
-        rows = chunk_rows(flat.shape[0], self.lm_head.weight.shape[0])
-        (ids,) = chunked(lambda y: (self(y.to(self.lm_head.weight.dtype)).argmax(-1),), rows, flat)
-        return ids.reshape(final.shape[:-1])
-
-
-# `load_head_weights` keys: "embed", "lm_head", "norm" (the final norm's weight) and "norm.<param>" for each of the
-# final norm's parameters (its weight again, a bias where it has one).
-HEAD_NORM_PREFIX = "norm."
-
-
-def meta_model(config, trust_remote_code: bool = False) -> nn.Module:
-    """The target's model built from its config on the meta device: its modules, names and tied weights, no
-    memory."""
-    cls = model_class(config, trust_remote_code)
-    with torch.device("meta"), _without_zero3_init():
-        if hasattr(cls, "from_config"):  # an Auto class
-            return cls.from_config(config, trust_remote_code=trust_remote_code)
-        return cls._from_config(config)
-
-
-@contextlib.contextmanager
-def _without_zero3_init() -> Iterator[None]:
-    """Under a live ZeRO-3 config transformers builds every model inside `deepspeed.zero.Init`, which partitions
-    and initialises weights: a meta-device model has none to copy. Hide the config while the meta model is built."""
-    try:
-        from transformers.integrations import deepspeed as hf_deepspeed
-    except ImportError:
-        yield
-        return
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
-
-
-def _checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
-    """The model's own parameter name for each checkpoint tensor name, by the renamings transformers applies when
-    it loads this model (a multimodal checkpoint's `language_model.model.*` is `model.language_model.*` in the
-    model); names map to themselves where transformers has no renaming."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming, rename_source_key
-    except ImportError:  # a transformers without checkpoint conversion: names are the model's
-        return {key: key for key in keys}
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
-    wanted = dict(model.state_dict(keep_vars=True))
-    prefix = getattr(model, "base_model_prefix", None)
-    return {key: rename_source_key(key, renamings, converters, prefix, wanted)[0] for key in keys}
-
-
-def load_head_weights(cfg: TargetConfig):
-    """The target's config, embedding, final norm and lm_head, read from its safetensors without building the
-    model: a trainer needs these ~2% of an 8B target's weights, not all 16 GB. Tensors are found by the model's own
-    module names (through a multimodal wrapper to its text decoder), mapped to the checkpoint's names as
-    transformers maps them when it loads the model."""
-    from transformers import AutoConfig
-
-    source, _ = resolve_source(cfg)
-    local = Path(source)
-    if not local.is_dir():
-        from huggingface_hub import snapshot_download
-
-        local = Path(snapshot_download(source, revision=cfg.revision, allow_patterns=["*.json", "*.safetensors"]))
-    with reading(local / "config.json", "target config"):  # a config transformers cannot read, in one line
-        config = AutoConfig.from_pretrained(local, trust_remote_code=cfg.trust_remote_code)
-    model = meta_model(config, cfg.trust_remote_code)
-    module_names = {id(module): name for name, module in model.named_modules()}
-    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-    norm = text_decoder(model).norm
-    wanted = {"embed": f"{module_names[id(embed)]}.weight", "lm_head": f"{module_names[id(lm_head)]}.weight"}
-    wanted |= {HEAD_NORM_PREFIX + n: f"{module_names[id(norm)]}.{n}" for n, _ in norm.named_parameters()}
-    tied = lm_head.weight is embed.weight
-    weight_map = _weight_map(local)
-    files = sorted(set(weight_map.values())) if weight_map is not None else ["model.safetensors"]
-    found: dict[str, tuple[Path, str]] = {}
-    for file_name in files:
-        file = local / file_name
-        if not file.is_file():
-            raise UserError(f"target {cfg.name_or_path}: {file} is missing")
-        with open_tensors(file, "target weights") as fh:
-            keys = list(fh.keys())
-        for key, name in _checkpoint_names(model, keys).items():
-            found.setdefault(name, (file, key))
-    out = {}
-    for role, name in wanted.items():
-        if role == "lm_head" and tied:
-            continue
-        if name not in found:
-            raise UserError(
-                f"target {cfg.name_or_path}: tensor {name} not found in {local} (the model's {role}, under any name "
-                "transformers loads it from)"
-            )
-        file, key = found[name]
-        with open_tensors(file, "target weights") as fh:
-            out[role] = fh.get_tensor(key).float()
-    if tied:
-        out["lm_head"] = out["embed"]
-    out["norm"] = out[HEAD_NORM_PREFIX + "weight"]
-    return config, out
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:

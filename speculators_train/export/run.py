@@ -25,12 +25,20 @@ from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft, refuse_non_finite
 from speculators_train.families.format_common import DTYPES
 from speculators_train.files import to_json, writing
+from speculators_train.head import load_head_weights
 from speculators_train.hidden_states.shards import MANIFEST
+from speculators_train.layout import (
+    TRAINER_STATE,
+    checkpoints_dir,
+    export_dir,
+    read_trainer_state,
+    train_dir,
+    verify_results,
+)
 from speculators_train.loading import read_json, read_json_object, reading
 from speculators_train.recipe import Recipe
 from speculators_train.runlock import exclusive
 from speculators_train.sources import describe_source, gguf_file, resolve_source
-from speculators_train.target import load_head_weights
 
 
 @dataclass
@@ -44,8 +52,7 @@ class Exported:
 
 def latest_verify_report(recipe: Recipe, checkpoint: Path) -> tuple[Path, list[dict[str, Any]]] | None:
     """The newest `verify` results measured on this very checkpoint, if any."""
-    root = recipe.run_dir / "verify"
-    for results in sorted(root.glob("*/results.json"), reverse=True):
+    for results in verify_results(recipe.run_dir):
         try:
             records = read_json(results, "verify results")
         except UserError:
@@ -90,10 +97,9 @@ def model_card(
                     f"{info.get('tokens')} tokens"
                 )
     lines += ["", "## Training budget", ""]
-    state_file = checkpoint / "trainer_state.json"
-    if state_file.is_file():
-        with reading(state_file, "trainer state"):
-            state = read_json_object(state_file, "trainer state")
+    state = read_trainer_state(checkpoint)
+    if state is not None:
+        with reading(checkpoint / TRAINER_STATE, "trainer state"):
             identity = state.get("identity") or {}
             t = recipe.training
             settings = ", ".join(f"{key} {value}" for key, value in (identity.get("draft") or {}).items())
@@ -186,11 +192,11 @@ def export(
     dtype = dtype or recipe.export.dtype
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: expected one of {sorted(DTYPES)}")
-    out = out or recipe.run_dir / "export" / fmt
+    out = out or export_dir(recipe.run_dir) / fmt
     source, hub_id = resolve_source(recipe.target)
-    checkpoint_dir = checkpoint or recipe.run_dir / "train" / "checkpoints"
+    checkpoint_dir = checkpoint or checkpoints_dir(recipe.run_dir)
     local_target = [Path(source)] if Path(source).exists() else []
-    reads = [checkpoint_dir, recipe.hidden_states_dir, recipe.run_dir / "train", *local_target]
+    reads = [checkpoint_dir, recipe.hidden_states_dir, train_dir(recipe.run_dir), *local_target]
     check_out(out, reads, force)
     with exclusive(out, "export"):  # after the checks, so a refused --out gets no lock file beside it
         check_out(out, reads, force)  # again: another export may have finished meanwhile

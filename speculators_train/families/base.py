@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 
     from speculators_train.eval_config import EvalConfig, TreeConfig
     from speculators_train.families.objective import Objective
+    from speculators_train.head import TargetHead
     from speculators_train.proposal import Proposer, TreeSpec
-    from speculators_train.target import StateSpec, Target, TargetHead
+    from speculators_train.target import StateSpec, Target
 
 
 # The per-position losses a draft trains with and OSD distils with (`families/divergence.py` computes them).
@@ -38,6 +39,17 @@ Divergence = Literal["ce", "forward_kl", "reverse_kl", "jsd", "tvd", "lk", "lk_h
 # and the final (pre-norm) state, the final state alone, or no state (tokens and loss mask only).
 TargetStates = Literal["aux+final", "final", "none"]
 STATE_LEVELS: tuple[TargetStates, ...] = ("none", "final", "aux+final")  # each holds what the ones before hold
+
+
+@dataclass(frozen=True)
+class SmallDraft:
+    """A small draft of a family that a few seconds fit to one reply of a tiny target, as the test suite builds it
+    for the engine tests and the pinned loss curves: its `settings` beside the section's defaults, and the fit's
+    `steps` and `learning_rate` where this family's differ (a slow step, a rate that diverges)."""
+
+    settings: dict[str, Any]
+    steps: int = 120
+    learning_rate: float = 3e-3
 
 
 class FamilySettings(Section):
@@ -58,6 +70,7 @@ class FamilySettings(Section):
     # Whether the draft has attention layers of its own kind (a Llama or Qwen3 layer beside any target), not the
     # target's architecture nor none: an engine must then run two kinds of attention over one KV cache.
     own_attention: ClassVar[bool] = False
+    small: ClassVar[SmallDraft]  # its small draft for tests
 
     def recipe_problems(self, recipe: Any) -> list[str]:
         """Rules that tie this section to other sections of the loaded `Recipe` (not imported here: the recipe
@@ -80,6 +93,9 @@ class ExportFormat(ABC):
     # it are the engine's (`engines.llamacpp.server.draft_args`); `commands` gets the target's GGUF as verifier.
     draft_file: ClassVar[str | None] = None
     draft_architecture: ClassVar[str | None] = None
+    # llama-server's `--spec-type` for that file; None where the server detects the type from the file itself
+    # (DFlash, DSpark and MTP GGUFs: common/speculative.cpp, `common_speculative_types_from_gguf`).
+    llamacpp_spec_type: ClassVar[str | None] = None
 
     @abstractmethod
     def detect(self, config: dict[str, Any]) -> bool:
@@ -120,7 +136,6 @@ class Family(ABC):
     settings: ClassVar[type[FamilySettings]]  # its recipe section
     title: ClassVar[str]  # "EAGLE-3 draft": how cards and reports name a draft of this family
     step_label: ClassVar[str]  # what one row of per-step metrics is: a TTT step, a head
-    columns: ClassVar[tuple[str, ...]]  # per-step held-out metrics shown after training
     draft_type: ClassVar[type]  # the draft module, built from one `config_type` argument
     config_type: ClassVar[type]  # the draft's config: a dataclass whose `to_dict()` is saved as JSON
     not_saved: ClassVar[tuple[str, ...]] = ()  # frozen weights restored from the target, never checkpointed
@@ -197,8 +212,9 @@ class Family(ABC):
         cap = self.max_draft_tokens(draft)
         return k if cap is None else min(k, cap)
 
-    def tree(self, draft: nn.Module, tree: TreeConfig, checkpoint: Path) -> TreeSpec:
-        """The verify loop's tree for `eval.tree` (shapes other than dynamic are the family's own)."""
+    def tree(self, draft: nn.Module, tree: TreeConfig, held_out: dict[str, Any]) -> TreeSpec:
+        """The verify loop's tree for `eval.tree` (shapes other than dynamic are the family's own; `held_out`: the
+        metrics the draft's checkpoint was saved with, {} for a draft without)."""
         from speculators_train.proposal import TreeSpec  # torch: not imported when only a recipe is loaded
 
         if tree.shape != "dynamic":

@@ -2,7 +2,7 @@
 
     <checkpoint>/model.safetensors     the draft's weights (not the frozen ones its family restores from the target)
     <checkpoint>/draft_config.json     {"family": NAME, ...the family's config}
-    checkpoints/latest.json, best.json pointers to step-NNNNNN/ directories (written by the trainer)
+    (a run's other names, and the pointers to its checkpoints: `layout.py`)
 
 `load_draft` reads any directory a user points at: a checkpoint of ours (a checkpoints/ or run directory resolves
 to its best), or a directory in one of the families' export formats, made here or by another tool (speculators,
@@ -25,10 +25,10 @@ from speculators_train.errors import UserError
 from speculators_train.families.base import Family, LoadedDraft
 from speculators_train.families.format_common import load_checked, shown
 from speculators_train.files import to_json
+from speculators_train.layout import BEST, DRAFT_CONFIG, WEIGHTS, best_or_latest
 from speculators_train.loading import load_tensors, read_json_object, reading
 
-CONFIG = "draft_config.json"
-WEIGHTS = "model.safetensors"
+CONFIG, WEIGHTS = DRAFT_CONFIG, WEIGHTS
 
 
 def family_of(draft: nn.Module) -> Family:
@@ -142,41 +142,11 @@ def check_fits(loaded: LoadedDraft, hidden_size: int, vocab_size: int, num_layer
         raise UserError(f"{loaded.path}: draft does not fit the target ({'; '.join(problems)})")
 
 
-def read_pointer(path: Path) -> dict[str, Any] | None:
-    """A checkpoints/ pointer (latest.json, best.json), None when absent; its `step` is an integer >= 0."""
-    if not path.is_file():
-        return None
-    pointer = read_json_object(path, "checkpoint pointer")
-    step = pointer.get("step")
-    if type(step) is not int or step < 0:
-        raise UserError(f"{path}: checkpoint pointer: step must be an integer >= 0, got {shown(step)}")
-    return pointer
-
-
-def is_complete(path: Path) -> bool:
-    return all((path / name).is_file() for name in (WEIGHTS, CONFIG, "trainer_state.json"))
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The checkpoint `latest.json` names; if that one is gone or incomplete, the newest complete one."""
-    pointer = read_pointer(root / "latest.json")
-    if pointer is not None:
-        path = root / f"step-{pointer['step']:06d}"
-        if is_complete(path):
-            return path
-    complete = sorted((p for p in root.glob("step-*") if is_complete(p)), key=lambda p: p.name)
-    return complete[-1] if complete else None
-
-
 def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint directory itself, or a checkpoints/ (or run) directory: its best, else its latest."""
     if (path / CONFIG).is_file():
         return path
-    for root in (path, path / "checkpoints", path / "train" / "checkpoints"):
-        pointer = read_pointer(root / "best.json")
-        if pointer is not None and (root / f"step-{pointer['step']:06d}").is_dir():
-            return root / f"step-{pointer['step']:06d}"
-        latest = latest_checkpoint(root) if root.is_dir() else None
-        if latest is not None:
-            return latest
-    raise UserError(f"{path}: no draft checkpoint there (expected {CONFIG}, or checkpoints with best.json)")
+    found = best_or_latest(path)
+    if found is not None:
+        return found
+    raise UserError(f"{path}: no draft checkpoint there (expected {CONFIG}, or checkpoints with {BEST})")

@@ -90,6 +90,12 @@ class Objective(nn.Module):
         self.head = head
 
     @property
+    def columns(self) -> tuple[str, ...]:
+        """The per-step metrics a report shows after training: all of `metric_names` unless a family keeps some
+        for itself (Medusa's rank accuracies, from which it builds its tree)."""
+        return self.metric_names
+
+    @property
     def metric_keys(self) -> list[str]:
         """Every key `forward` returns: each rank sums all of them, in this order, even with no batch of its own."""
         return [key(name, i) for name in self.metric_names for i in range(self.steps)] + ["vocab_coverage"]

@@ -48,13 +48,14 @@ from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_checkpoint, load_draft
 from speculators_train.files import append_line, atomic_write_bytes, atomic_write_json, to_json
 from speculators_train.hidden_states.pipeline import process_chunk
+from speculators_train.layout import osd_dir, step_dir
 from speculators_train.loading import read_json
 from speculators_train.osd.ingest import IngestStats, LogIngestor
 from speculators_train.osd.plot import plot
 from speculators_train.osd.redact import Redactor
 from speculators_train.osd.scoring import Buffer, Sample, Scored, Scorer, gate, on_device
 from speculators_train.recipe import Recipe
-from speculators_train.target import StateSpec, Target, TargetHead, load_target
+from speculators_train.target import StateSpec, Target, load_target
 from speculators_train.tracking import init_wandb
 from speculators_train.training import checkpoint as ckpt
 from speculators_train.training.data import collate
@@ -68,13 +69,13 @@ log = logging.getLogger(__name__)
 class OnlineDistiller:
     def __init__(self, recipe: Recipe, logs: Path, target: Target | None = None) -> None:
         self.recipe, self.cfg = recipe, recipe.osd
-        self.root = recipe.run_dir / "osd"
+        self.root = osd_dir(recipe.run_dir)
         self.target = target or load_target(recipe.target)
         self.family = get(recipe.draft.family)
         redact = Redactor(self.cfg.redact, self.cfg.redact_builtin, self.cfg.redact_hook)
         self.ingestor = LogIngestor(logs, self.root / "ingest", redact, self.cfg.commit_every)
         t = self.target
-        self.head = TargetHead.from_target(t).to(next(t.model.parameters()).device)
+        self.head = t.head().to(next(t.model.parameters()).device)
         self.scorer = Scorer(self.family, self.head, recipe.draft, recipe.eval.num_speculative_tokens)
         self.accelerator = accelerator(recipe)
         progress = self.root / "progress.json"
@@ -140,7 +141,7 @@ class OnlineDistiller:
         """The trainee saved with the last committed update, or (before any update) one restarted from the deployed
         version."""
         step = self.progress.get("trainee")
-        path = self.root / "trainee" / f"step-{step:06d}" if step is not None else None
+        path = step_dir(self.root / "trainee", step) if step is not None else None
         if path is None or not path.is_dir():
             return self._restart_trainee()
         trainee = self.prepare(path)
@@ -210,10 +211,10 @@ class OnlineDistiller:
 
         directory = self.root / "versions" / f"v{version:04d}"
         shutil.rmtree(directory, ignore_errors=True)  # a half-written one from a killed run
-        checkpoint = ckpt.save_checkpoint(directory / "checkpoints", 0, draft, None, {"step": 0}, keep_last=1)
+        checkpoint = ckpt.save_checkpoint(directory / ".staging", 0, draft, None, {"step": 0}, keep_last=1)
         final = directory / "checkpoint"
         os.replace(checkpoint, final)
-        shutil.rmtree(directory / "checkpoints", ignore_errors=True)
+        shutil.rmtree(directory / ".staging", ignore_errors=True)
         fmt = self.recipe.export.format
         export(self.recipe, final, fmt, directory / fmt, force=True)
         self._point_current(version)

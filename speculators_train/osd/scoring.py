@@ -11,7 +11,7 @@ from torch import nn
 
 from speculators_train.families.base import Family
 from speculators_train.families.objective import predicted_al_key, summarize
-from speculators_train.target import TargetHead
+from speculators_train.head import TargetHead
 from speculators_train.training.data import collate
 
 Sample = dict[str, torch.Tensor]

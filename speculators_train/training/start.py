@@ -99,7 +99,7 @@ def check_same_run(path: Path, state: dict[str, Any], identity: dict[str, Any], 
 
 
 def trim_log(path: Path, state: dict[str, Any]) -> None:
-    """Drop the metrics.jsonl lines the checkpoint this run continues from (its trainer `state`) does not cover,
+    """Drop the log lines the checkpoint this run continues from (its trainer `state`) does not cover,
     and a line cut by a kill, so a resumed run's log has each step and each validation once: what a killed run
     logged after its last checkpoint is redone and logged again. Training lines are covered up to the
     checkpoint's step, validation lines up to the step it last validated."""

@@ -27,6 +27,7 @@ from torch import nn
 
 from speculators_train.distributed import deepspeed_process_state, lone_process_group
 from speculators_train.errors import UserError
+from speculators_train.layout import shard_name
 from speculators_train.loading import load_torch_state
 from speculators_train.recipe import Recipe
 from speculators_train.training import checkpoint as ckpt
@@ -308,7 +309,7 @@ class Fsdp(Strategy):
                 continue
             local[name] = {"step": state[param]["step"].detach().cpu().clone()}
             local[name].update({key: _local(state[param][key]).detach().cpu().clone() for key in MOMENTS})
-        torch.save(local, staging / ckpt.shard_name(self.acc.process_index, self.acc.num_processes))
+        torch.save(local, staging / shard_name(self.acc.process_index, self.acc.num_processes))
         self.acc.wait_for_everyone()
         return Saved({}, weights, staging)
 
@@ -332,7 +333,7 @@ class Fsdp(Strategy):
                     value.to_local().copy_(piece.to_local())
                 else:
                     value.copy_(saved)
-        shard = path / ckpt.shard_name(self.acc.process_index, self.acc.num_processes)
+        shard = path / shard_name(self.acc.process_index, self.acc.num_processes)
         slices = load_torch_state(shard, "optimizer shard")
         for name, param in self.trainable() if slices else ():
             if name not in slices:

@@ -23,13 +23,15 @@ from tqdm import tqdm
 from speculators_train import families
 from speculators_train.distributed import across_ranks
 from speculators_train.errors import UserError
-from speculators_train.families.drafts import latest_checkpoint, load_weights, read_pointer
+from speculators_train.families.drafts import load_weights
 from speculators_train.families.objective import Objective, Sums, predicted_al_key, summarize
 from speculators_train.files import append_line, atomic_write_json, to_json
+from speculators_train.head import TargetHead, load_head_weights
+from speculators_train.layout import BEST, METRICS, checkpoints_dir, latest_checkpoint, read_pointer, train_dir
 from speculators_train.loading import reading
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
-from speculators_train.target import TargetHead, load_head_weights, load_target
+from speculators_train.target import load_target
 from speculators_train.tracking import init_wandb
 from speculators_train.training import checkpoint as ckpt
 from speculators_train.training.data import collate
@@ -133,7 +135,7 @@ class Trainer:
             self.source.restrict(kept)
             self.state["select_seconds"] = time.perf_counter() - started
             log.info("training.select: %d of %d samples (%s)", len(kept), len(self.source.train), self.cfg.select.by)
-        self.chain_length, self.metric_keys = objective.steps, objective.metric_keys
+        self.chain_length, self.metric_keys, self.columns = objective.steps, objective.metric_keys, objective.columns
         # The acceptance length held-out validation predicts, and the best checkpoint is kept by.
         self.al_depth = min(recipe.eval.num_speculative_tokens, self.chain_length)
         self.al_key = predicted_al_key(self.al_depth)
@@ -160,8 +162,8 @@ class Trainer:
 
     def _set_up_resume(self) -> None:
         """Where the run saves, and the state of its latest checkpoint when there is one."""
-        self.run_dir = self.recipe.run_dir / "train"
-        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.run_dir = train_dir(self.recipe.run_dir)
+        self.ckpt_dir = checkpoints_dir(self.recipe.run_dir)
         self.wandb = None
         self._saved: str | None = None  # the `_position()` of the last checkpoint written or resumed from
         self._state_measured = False
@@ -206,8 +208,8 @@ class Trainer:
         self._saved = self._position()
         # A kill between a checkpoint and its best.json leaves the pointer behind the state that names the best.
         best = state["best"]
-        if self.accelerator.is_main_process and best is not None and read_pointer(self.ckpt_dir / "best.json") != best:
-            atomic_write_json(self.ckpt_dir / "best.json", best)
+        if self.accelerator.is_main_process and best is not None and read_pointer(self.ckpt_dir / BEST) != best:
+            atomic_write_json(self.ckpt_dir / BEST, best)
         log.info(
             "resuming from %s (step %d, epoch %d, position %s)", path, state["step"], state["epoch"], state["position"]
         )
@@ -233,13 +235,13 @@ class Trainer:
                 shards=saved.shards,
             )
             if self.state["best"] is not None and self.state["best"]["step"] == self.state["step"]:
-                atomic_write_json(self.ckpt_dir / "best.json", self.state["best"])
+                atomic_write_json(self.ckpt_dir / BEST, self.state["best"])
         self.accelerator.wait_for_everyone()
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.accelerator.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            append_line(self.run_dir / "metrics.jsonl", to_json(record) + "\n")
+            append_line(self.run_dir / METRICS, to_json(record) + "\n")
             if self.wandb is not None:
                 self.wandb.log(record, step=record["step"])
 
@@ -296,7 +298,7 @@ class Trainer:
         self.wandb = self._init_wandb()
         if self.accelerator.is_main_process:
             write_run_info(self.run_dir, self.recipe.model_dump(mode="json"))
-            trim_log(self.run_dir / "metrics.jsonl", state)
+            trim_log(self.run_dir / METRICS, state)
         main = self.accelerator.is_main_process
         self._bar = tqdm(total=self.total_steps, initial=state["step"], unit="step", disable=not main, desc="train")
         self._window = _Window()

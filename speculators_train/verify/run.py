@@ -22,6 +22,7 @@ from speculators_train.errors import UserError
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft
 from speculators_train.files import atomic_write_bytes
+from speculators_train.layout import held_out_metrics, verify_dir
 from speculators_train.proposal import Sampling, TreeSpec
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
@@ -129,7 +130,11 @@ def shape_of(recipe: Recipe, loaded: LoadedDraft) -> tuple[str, int, TreeSpec | 
         vocab = getattr(getattr(draft, "config", None), "draft_vocab_size", None)
         if vocab is not None and ev.tree.top_k > vocab:
             raise UserError(f"eval.tree.top_k {ev.tree.top_k}: the draft at {loaded.path} proposes from {vocab} tokens")
-        tree = family.tree(draft, ev.tree, loaded.path)
+        held_out = held_out_metrics(loaded.path)
+        try:
+            tree = family.tree(draft, ev.tree, held_out)
+        except UserError as exc:  # a tree this draft cannot grow: named with the draft read
+            raise UserError(f"{loaded.path}: {exc}") from None
         depth = max(map(len, tree.paths)) if tree.paths is not None else tree.depth
         return tree.describe(), depth, tree
     k = family.draft_tokens(draft, ev.num_speculative_tokens)
@@ -160,7 +165,7 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
     loaded = load_draft_for(target, draft_path)
     ev = recipe.eval
     suites = [load_suite(recipe.resolve_path(s, "eval.suites"), recipe, target, ev.num_prompts) for s in ev.suites]
-    out_dir = out_dir or recipe.run_dir / "verify" / time.strftime("%Y%m%d-%H%M%S")
+    out_dir = out_dir or verify_dir(recipe.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     dump = recipe.model_dump(mode="json")
     atomic_write_bytes(out_dir / "recipe.yaml", yaml.safe_dump(dump, sort_keys=False).encode())

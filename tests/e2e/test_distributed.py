@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from speculators_train.training.checkpoint import shard_name
+from speculators_train.layout import shard_name
 from tests.conftest import REPO
 from tests.e2e.test_train import (  # noqa: F401 (single_rank_losses and single_rank_run: fixtures)
     EAGLE3,

@@ -76,9 +76,9 @@ def test_each_setting_passes_the_flags_llamacpp_needs(tmp_path):
     flags = dict(zip(args[::2], args[1::2], strict=True))
     assert flags["-md"] == str(tmp_path / "draft.gguf")
     assert flags["--spec-type"] == "draft-eagle3"  # not detected from the file
-    plain = draft_args(tmp_path / "d.gguf", "llama", 3)  # a plain LM: without a type llama.cpp never drafts
-    assert plain[plain.index("--spec-type") + 1] == "draft-simple"
-    assert "--spec-type" not in draft_args(tmp_path / "d.gguf", "dflash", 3)  # detected from the file
+    plain = draft_args(tmp_path / "d.gguf", get("draft_model").formats["gguf"].llamacpp_spec_type, 3)
+    assert plain[plain.index("--spec-type") + 1] == "draft-simple"  # a plain LM: without a type it never drafts
+    assert "--spec-type" not in draft_args(tmp_path / "d.gguf", None, 3)  # a type the server reads off the file
     assert (flags["--spec-draft-n-max"], flags["--spec-draft-p-min"]) == ("3", "0.2")
     assert ngram_args == ["--spec-type", "ngram-mod"]
 
@@ -145,7 +145,7 @@ def test_llamacpp_with_our_draft_gives_its_own_target_only_output_on_an_unquanti
     draft, and the draft fitted to this reply must be accepted."""
     recipe, checkpoint, prompt, _ = fitted()
     out = export(recipe, checkpoint, "gguf", tmp_path / "gguf", dtype="float32").path
-    reference, drafted = decoded(recipe, draft_args(out / "draft.gguf", "eagle3", 3), prompt, tmp_path)
+    reference, drafted = decoded(recipe, draft_args(out / "draft.gguf", "draft-eagle3", 3), prompt, tmp_path)
     assert drafted.tokens == reference.tokens
     assert drafted.steps > 0 and drafted.accepted > 0, drafted
 
@@ -177,7 +177,7 @@ def test_llamacpp_runs_a_norm_before_fc_draft_as_trained(tmp_path, target, fitte
     norm = load_draft(checkpoint, target.num_layers).draft.input_norm.weight
     stored = [t for t in reader.tensors if tuple(t.data.shape) == tuple(norm.shape) and "norm" in t.name]
     assert len(stored) == 1 and torch.allclose(torch.from_numpy(stored[0].data.copy()), norm.detach())
-    reference, drafted = decoded(recipe, draft_args(out / "draft.gguf", "eagle3", 3), prompt, tmp_path)
+    reference, drafted = decoded(recipe, draft_args(out / "draft.gguf", "draft-eagle3", 3), prompt, tmp_path)
     assert drafted.tokens == reference.tokens
     assert drafted.accepted >= 0.5 * drafted.drafted > 0, drafted
     draft = load_draft_for(target, checkpoint).draft
@@ -204,7 +204,7 @@ def test_llamacpp_serves_a_draft_model_with_its_own_output_and_our_acceptance(tm
     arch = reader.fields["general.architecture"]
     assert bytes(arch.parts[arch.data[0]]).decode() == fmt.draft_architecture
     assert sum(t.name.startswith("blk.") and t.name.endswith("attn_q.weight") for t in reader.tensors) == 2
-    args = draft_args(out / fmt.draft_file, fmt.draft_architecture, 3)
+    args = draft_args(out / fmt.draft_file, fmt.llamacpp_spec_type, 3)
     assert args[args.index("--spec-type") + 1] == "draft-simple"  # else llama-server loads it and never drafts
     reference, drafted = decoded(recipe, args, prompt, tmp_path)
     assert drafted.tokens == reference.tokens

@@ -167,7 +167,8 @@ def test_zero3_validates_ranks_with_uneven_held_out_batches_like_one_process(tmp
 
 
 def test_best_checkpoint_survives_pruning_and_loads(tmp_path, states):
-    from speculators_train.families.drafts import load_checkpoint, read_pointer
+    from speculators_train.families.drafts import load_checkpoint
+    from speculators_train.layout import read_pointer
 
     recipe = load_recipe(run_recipe(tmp_path, states, training={"epochs": 3, "keep_last": 1}))
     trainer = Trainer(recipe)
@@ -231,8 +232,8 @@ def test_online_training_writes_no_states_and_resumes_exactly(tmp_path, monkeypa
 def test_checkpoint_pointer_to_a_missing_step_falls_back_to_the_newest_complete(tmp_path):
     from transformers import LlamaConfig
 
-    from speculators_train.families.drafts import latest_checkpoint
     from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
+    from speculators_train.layout import latest_checkpoint
     from speculators_train.training.checkpoint import save_checkpoint
 
     config = Eagle3Config.for_target(

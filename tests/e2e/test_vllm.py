@@ -11,7 +11,7 @@ import torch
 
 from speculators_train.engines.vllm import Completion, Decoded, SpecCounts, spec_counts
 from speculators_train.errors import UserError
-from speculators_train.families import FAMILIES, get
+from speculators_train.families import FAMILIES, get, settings_types
 from speculators_train.families.drafts import load_draft
 from speculators_train.recipe import load_recipe
 from speculators_train.verify.vllm_run import NGRAM, record, settings
@@ -189,7 +189,7 @@ def printed_speculative_config(capsys, argv: list[str]) -> dict:
     return json.loads(match.group(1))
 
 
-@pytest.mark.parametrize("family", ["eagle3", "peagle", "medusa", "draft_model", "dflash"])
+@pytest.mark.parametrize("family", [s.model_fields["family"].default for s in settings_types() if s.vllm_format])
 def test_vllm_serves_each_family_from_the_printed_command_with_the_targets_output(
     family, target, reference, fitted, tmp_path, capsys
 ):

@@ -16,17 +16,17 @@ from speculators_train.export.run import export
 from speculators_train.families.dflash.model import DFlashConfig, DFlashDraft
 from speculators_train.families.dflash.objective import block_loss, dpace_weights, sample_anchors
 from speculators_train.families.dflash.proposer import DFlashProposer
-from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
-from speculators_train.proposal import Sampling, TreeSpec
+from speculators_train.families.vocab import build_vocab_mapping
+from speculators_train.head import TargetHead
+from speculators_train.proposal import TreeSpec
 from speculators_train.recipe import load_recipe
-from speculators_train.target import TargetHead
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain
 from speculators_train.verify.run import eos_ids, load_draft_for
 from tests.conftest import SHAREGPT, chat, make_recipe
+from tests.integration.test_families import check_parallel_sampling
 from tests.integration.test_osd_distill import fresh_draft_on_logs
 from tests.integration.test_verify import GREEDY
-from tests.unit.test_sampling_rules import tv, tv_threshold
 
 MASK_ID = 16
 
@@ -169,8 +169,8 @@ def test_position_weights_decay_or_follow_dpace_and_the_loss_is_their_mean(targe
     assert smooth[1] == pytest.approx(0.5 * 0.8 + 0.5)
     torch.testing.assert_close(dpace_weights(confidence, scored, 0.5), torch.tensor([expected]))
 
+    from speculators_train.head import load_head_weights
     from speculators_train.recipe import TargetConfig
-    from speculators_train.target import load_head_weights
 
     ids, aux, final = conversation
     config, weights = load_head_weights(TargetConfig())
@@ -197,21 +197,7 @@ def test_sampled_dflash_proposals_come_from_the_distributions_they_report(target
     proposer = DFlashProposer(draft)
     proposer.reset(ids[0])
     proposer.extend(ids[1:30], aux[0, :29])
-    g = torch.Generator(device=aux.device).manual_seed(0)  # where the draft samples: the target's device
-    greedy = proposer.propose_chain(3, GREEDY, None)
-    assert proposer.propose_chain(3, Sampling(0.8), g) == (greedy[0], None)  # argmax drafting reports no q
-    sampling = Sampling(0.8, draft_sampling="sample")
-    draws, q = [], None
-    for _ in range(1500):
-        tokens, q = proposer.propose_chain(3, sampling, g)
-        draws.append(tokens)
-    logits = proposer.logits(3).float()
-    for d in range(3):
-        expected = torch.zeros(target.vocab_size, device=q.device)
-        expected[draft_to_target(draft.d2t)] = torch.softmax(logits[d] / 0.8, dim=-1)
-        torch.testing.assert_close(q[d], expected)
-        samples = [t[d] for t in draws]
-        assert tv(samples, expected) < tv_threshold(expected, len(samples))
+    check_parallel_sampling(proposer, draft, target.vocab_size, draws=1500)
 
 
 @pytest.mark.parametrize("tree", [None, TreeSpec(top_k=3, depth=4, budget=10)], ids=["chain", "tree"])

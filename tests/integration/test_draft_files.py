@@ -27,9 +27,9 @@ from speculators_train.families.drafts import check_fits, load_draft
 from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.medusa.model import MedusaDraft
 from speculators_train.families.vocab import build_vocab_mapping
+from speculators_train.head import load_head_weights
 from speculators_train.recipe import TargetConfig, load_recipe
 from speculators_train.sources import resolve_source
-from speculators_train.target import load_head_weights
 from speculators_train.training.checkpoint import save_checkpoint
 from tests.conftest import SHAREGPT, make_recipe
 from tests.faults import clean_error, mount_tmpfs, run_cli

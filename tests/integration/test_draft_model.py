@@ -9,9 +9,9 @@ import torch
 
 from speculators_train.errors import UserError
 from speculators_train.families import get
+from speculators_train.head import TargetHead, load_head_weights
 from speculators_train.proposal import Sampling, TreeSpec
 from speculators_train.recipe import TargetConfig
-from speculators_train.target import TargetHead, load_head_weights
 from speculators_train.training.data import collate
 from speculators_train.verify.decoder import SpeculativeDecoder
 from speculators_train.verify.run import eos_ids

@@ -10,11 +10,11 @@ from speculators_train.data.splits import load_splits
 from speculators_train.export.run import export
 from speculators_train.families.drafts import draft_state_dict, load_draft
 from speculators_train.families.objective import summarize
+from speculators_train.head import TargetHead, load_head_weights
 from speculators_train.hidden_states.pipeline import process_chunk
 from speculators_train.packed import available, packed_linears
 from speculators_train.proposal import Sampling
 from speculators_train.recipe import TargetConfig, load_recipe
-from speculators_train.target import TargetHead, load_head_weights
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.training.data import collate
 from speculators_train.verify.decoder import SpeculativeDecoder, TargetRunner, decode_plain
@@ -167,3 +167,30 @@ def test_every_export_format_reads_back_to_the_same_draft(tmp_path, target, fres
         theirs = draft_state_dict(loaded.draft)
         for key, tensor in draft_state_dict(draft).items():
             assert torch.equal(theirs[key], tensor), f"{name}: {key}"
+
+
+def check_parallel_sampling(proposer, draft, vocab_size: int, draws: int) -> None:
+    """For a family that proposes every draft token from one forward (P-EAGLE, DFlash), set up on a context: argmax
+    drafting reports no q, and each depth's sampled tokens are distributed as the q it reports, which is the
+    softmax of its logits at T over its draft vocabulary (the rule verify's rejection sampling relies on)."""
+    from speculators_train.families.vocab import draft_to_target
+    from speculators_train.proposal import Sampling
+    from tests.integration.test_verify import GREEDY
+    from tests.unit.test_sampling_rules import tv, tv_threshold
+
+    device = next(draft.parameters()).device
+    g = torch.Generator(device=device).manual_seed(0)  # where the draft samples: the target's device
+    greedy = proposer.propose_chain(3, GREEDY, None)
+    assert proposer.propose_chain(3, Sampling(0.8), g) == (greedy[0], None)
+    sampling = Sampling(0.8, draft_sampling="sample")
+    sampled, q = [], None
+    for _ in range(draws):
+        tokens, q = proposer.propose_chain(3, sampling, g)
+        sampled.append(tokens)
+    logits = proposer.logits(3).float()
+    for d in range(3):
+        expected = torch.zeros(vocab_size, device=q.device)
+        expected[draft_to_target(draft.d2t)] = torch.softmax(logits[d] / 0.8, dim=-1)
+        torch.testing.assert_close(q[d], expected)
+        samples = [t[d] for t in sampled]
+        assert tv(samples, expected) < tv_threshold(expected, len(samples))

@@ -20,7 +20,7 @@ import pytest
 from speculators_train import families
 from speculators_train.recipe import load_recipe
 from speculators_train.training.trainer import Trainer
-from tests.conftest import FIT_LR, FIT_SETTINGS, losses, run_recipe
+from tests.conftest import FIT_SETTINGS, SMALL, losses, run_recipe
 
 PINNED = Path(__file__).with_name("loss_curves.json")
 REWRITE = os.environ.get("SPECULATORS_TRAIN_PIN_LOSSES") == "1"
@@ -29,7 +29,7 @@ REWRITE = os.environ.get("SPECULATORS_TRAIN_PIN_LOSSES") == "1"
 @pytest.mark.parametrize("family", families.FAMILIES)
 def test_a_short_run_of_each_family_gives_its_pinned_losses(tmp_path, states, family):
     # A gentle rate: a curve that jumps amplifies rounding, and a pin must hold across instruction sets.
-    training = {"epochs": 2, "batch_size": 4, "learning_rate": min(FIT_LR.get(family, 1e-3), 1e-3)}
+    training = {"epochs": 2, "batch_size": 4, "learning_rate": min(SMALL[family].learning_rate, 1e-3)}
     recipe = load_recipe(
         run_recipe(tmp_path, states, training=training, draft={"family": family, **FIT_SETTINGS[family]})
     )

@@ -100,7 +100,6 @@ def test_the_proposer_reads_the_pairs_training_scores(target, prompts, reference
     objective scores at position t (y_t and x_{t+1}, predicting x_{t+2}): the proposer's per-position divergences
     sum to the objective's loss_0. The draft is at random weights, so the token it is fed matters (a fitted one can
     read the next token off the state alone, which hides a wrong pairing)."""
-    from speculators_train.target import TargetHead
 
     family = get("mlp")
     settings = family.settings(n_predict=2, inner_dim=64)
@@ -109,7 +108,7 @@ def test_the_proposer_reads_the_pairs_training_scores(target, prompts, reference
     ids = torch.tensor([prompts[0] + references[0][:16]])
     mask = torch.zeros_like(ids, dtype=torch.bool)
     mask[0, len(prompts[0]) :] = True
-    head = TargetHead.from_target(target)
+    head = target.head()
     with torch.no_grad():
         _, final = target.hidden_states(ids, torch.ones_like(ids))
         _, sums = family.objective(draft, head, settings).eval()(

@@ -56,8 +56,8 @@ def fresh_draft_on_logs(tmp_path, target, settings: dict, aux_layer_ids: list[in
     """(recipe, logs dir, the starting draft): a fresh draft of `settings`' family (vocabulary: the 2048 lowest ids,
     BPE's most frequent merges) as `osd.init_from`, and one window of 24 real chat log records to distil on."""
     from speculators_train import families
+    from speculators_train.head import load_head_weights
     from speculators_train.recipe import TargetConfig
-    from speculators_train.target import load_head_weights
 
     family = families.get(settings["family"])
     config, weights = load_head_weights(TargetConfig())

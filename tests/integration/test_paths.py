@@ -15,8 +15,8 @@ import torch
 
 from speculators_train import families
 from speculators_train.cli import main
+from speculators_train.head import load_head_weights
 from speculators_train.recipe import TargetConfig
-from speculators_train.target import load_head_weights
 from speculators_train.training.checkpoint import save_checkpoint
 from tests.conftest import SHAREGPT, make_recipe
 from tests.faults import clean_error, run_cli

@@ -15,17 +15,17 @@ from speculators_train.families.eagle_arch.model import DraftCache, Eagle3Config
 from speculators_train.families.peagle.model import PEagleConfig, PEagleDraft, sample_chains
 from speculators_train.families.peagle.objective import parallel_loss
 from speculators_train.families.peagle.proposer import PEagleProposer
-from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
-from speculators_train.proposal import Sampling, TreeSpec
+from speculators_train.families.vocab import build_vocab_mapping
+from speculators_train.head import TargetHead
+from speculators_train.proposal import TreeSpec
 from speculators_train.recipe import load_recipe
-from speculators_train.target import TargetHead
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain
 from speculators_train.verify.run import eos_ids, load_draft_for
 from tests.conftest import SHAREGPT, chat, make_recipe
+from tests.integration.test_families import check_parallel_sampling
 from tests.integration.test_osd_distill import fresh_draft_on_logs
 from tests.integration.test_verify import GREEDY
-from tests.unit.test_sampling_rules import tv, tv_threshold
 
 MASK_ID = 2
 
@@ -165,8 +165,8 @@ def test_one_proposer_forward_drafts_what_training_scores_at_the_same_anchor(tar
 
 def test_the_loss_is_the_mean_over_every_scored_element_of_every_depth(target, draft, conversation):
     """No per-depth weight and one count for all depths: loss = sum of per-element divergences / their count."""
+    from speculators_train.head import load_head_weights
     from speculators_train.recipe import TargetConfig
-    from speculators_train.target import load_head_weights
 
     ids, aux = conversation
     config, weights = load_head_weights(TargetConfig())
@@ -191,21 +191,7 @@ def test_sampled_peagle_proposals_come_from_the_distributions_they_report(target
     ids, aux = conversation
     proposer = PEagleProposer(draft)
     proposer.extend(ids[1:30], aux[0, :29])
-    g = torch.Generator(device=aux.device).manual_seed(0)  # where the draft samples: the target's device
-    greedy = proposer.propose_chain(3, GREEDY, None)
-    assert proposer.propose_chain(3, Sampling(0.8), g) == (greedy[0], None)  # argmax drafting reports no q
-    sampling = Sampling(0.8, draft_sampling="sample")
-    draws, q = [], None
-    for _ in range(2000):
-        tokens, q = proposer.propose_chain(3, sampling, g)
-        draws.append(tokens)
-    logits = proposer.logits(3).float()
-    for d in range(3):
-        expected = torch.zeros(target.vocab_size, device=q.device)
-        expected[draft_to_target(draft.d2t)] = torch.softmax(logits[d] / 0.8, dim=-1)
-        torch.testing.assert_close(q[d], expected)
-        samples = [t[d] for t in draws]
-        assert tv(samples, expected) < tv_threshold(expected, len(samples))
+    check_parallel_sampling(proposer, draft, target.vocab_size, draws=2000)
 
 
 @pytest.mark.parametrize("tree", [None, TreeSpec(top_k=3, depth=4, budget=10)], ids=["chain", "tree"])

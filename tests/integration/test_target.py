@@ -121,7 +121,7 @@ def test_training_head_gives_the_targets_own_logits(tmp_path, model_type, extra)
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from speculators_train.target import TargetHead, load_head_weights
+    from speculators_train.head import TargetHead, load_head_weights
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(model_type, **SMALL, **extra)
@@ -149,7 +149,7 @@ def test_training_head_gives_the_targets_own_logits(tmp_path, model_type, extra)
 def test_a_target_head_that_is_not_reproduced_is_refused():
     from transformers import CohereConfig
 
-    from speculators_train.target import TargetHead
+    from speculators_train.head import TargetHead
 
     with pytest.raises(UserError, match=r"target model_type 'cohere' scales its logits \(\{'logit_scale': 0\.0625\}\)"):
         TargetHead.from_weights(CohereConfig(**SMALL), {})

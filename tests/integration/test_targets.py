@@ -120,9 +120,10 @@ def test_states_head_and_decoding_are_the_targets_own(built, name):
     checkpoint's tensors (the text decoder's, inside a multimodal wrapper) gives the model's logits from the stored
     final state, and the verify loop's target-only decode is transformers' greedy decode."""
     from speculators_train.data.chat import Chat
+    from speculators_train.head import TargetHead, load_head_weights
     from speculators_train.proposal import Sampling
     from speculators_train.recipe import TargetConfig
-    from speculators_train.target import TargetHead, load_head_weights, load_target
+    from speculators_train.target import load_target
     from speculators_train.verify.decoder import decode_plain
 
     cfg = TargetConfig(name_or_path=str(built(name)), aux_layer_ids=AUX)

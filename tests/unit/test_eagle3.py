@@ -19,8 +19,8 @@ from speculators_train.families.eagle_arch.speculators import clean_layer_config
 from speculators_train.families.format_common import export_tensors
 from speculators_train.families.objective import summarize
 from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
+from speculators_train.head import TargetHead
 from speculators_train.proposal import Sampling
-from speculators_train.target import TargetHead
 
 H, V, DV, AUX = 32, 64, 16, 3
 

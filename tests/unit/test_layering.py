@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+from speculators_train.families import FAMILIES
 from tests.conftest import REPO
 
 PACKAGE = REPO / "speculators_train"
@@ -134,11 +135,11 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
-FAMILY_NAMES = re.compile(
-    r"medusa|eagle3|peagle|draft_model|mlp_speculator|dflash|Medusa|Eagle3|PEagle|P-EAGLE|StandaloneDraft|MLPDraft"
-    r"|DFlash|\bmlp\b"
-)
-RECIPE_FILE = re.compile(r"recipes/(medusa|eagle3|peagle|draft_model|mlp|dflash)[\w.-]*\.yaml")
+# Every registered name (one of three letters or fewer as a lowercase word: "mlp" is also a target's layer), any
+# case of it, and the spellings of a family's classes and papers that are not its name.
+_REGISTERED = [rf"\b{n}\b" if len(n) <= 3 else rf"(?i:{n})" for n in FAMILIES]
+FAMILY_NAMES = re.compile("|".join([*_REGISTERED, "mlp_speculator", "P-EAGLE", "StandaloneDraft", "MLPDraft"]))
+RECIPE_FILE = re.compile(rf"recipes/({'|'.join(FAMILIES)})[\w.-]*\.yaml")
 # An engine's own vocabulary: llama.cpp's GGUF architectures "eagle3" (with the speculative type it must be told for
 # it) and "dflash" (which it detects from the file), vLLM's speculative_config key "draft_model_config" and its model
 # interface `SupportsEagle3` (what a target class must implement to hand a draft its intermediate states).
@@ -192,3 +193,50 @@ def test_the_drawing_of_the_layers_matches_the_imports():
     upward = [(unit, dep) for unit, deps in graph.items() for dep in deps if drawn[dep] < drawn[unit]]
     level = [(unit, dep) for unit, deps in graph.items() for dep in deps if dep != unit and drawn[dep] == drawn[unit]]
     assert not upward and not level, (upward, level)
+
+
+def _run_name_offences(path, names: set[str], dirs: set[str]) -> list[str]:
+    """Where `path` spells one of a run's file names (`names`, outside docstrings) or joins one of its directory
+    names (`dirs`, as the right side of a `/`)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if any(name in node.value for name in names):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}")
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            right = node.right
+            if isinstance(right, ast.Constant) and right.value in dirs:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: / {right.value!r}")
+            if isinstance(right, ast.JoinedStr) and ast.unparse(right).startswith(("f'step-", 'f"step-')):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(right)}")
+    return found
+
+
+def test_only_the_layout_names_a_runs_files():
+    """A stage reads another stage's files through `layout.py` (an import the drawing above sees), never by a
+    literal name: checkpoints, their pointers and trainer state, the trainer's log, verify's results and the run's
+    stage directories are spelled there alone (eval scripts included)."""
+    from speculators_train import layout
+
+    names = {layout.TRAINER_STATE, layout.OPTIMIZER, layout.LATEST, layout.BEST, layout.METRICS, layout.RESULTS}
+    names.add(layout.DRAFT_CONFIG)
+    dirs = {"train", "checkpoints", "verify", "export", "osd"}
+    paths = [p for p in [*PACKAGE.rglob("*.py"), *(REPO / "eval").glob("*.py")] if p != PACKAGE / "layout.py"]
+    offences = [line for path in paths for line in _run_name_offences(path, names, dirs)]
+    assert not offences, "\n".join(offences)
+    # The check itself finds each kind of spelling.
+    probe = REPO / "tests" / "unit" / "_layout_probe.py"
+    probe.write_text('x = run / "train" / "checkpoints" / f"step-{s:06d}" / "trainer_state.json"\n')
+    try:
+        assert len(_run_name_offences(probe, names, dirs)) == 4
+    finally:
+        probe.unlink()

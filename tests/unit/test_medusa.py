@@ -16,8 +16,8 @@ from speculators_train.families.medusa.model import MedusaConfig, MedusaDraft
 from speculators_train.families.medusa.objective import medusa_loss
 from speculators_train.families.medusa.proposer import measured_tree
 from speculators_train.families.objective import summarize
+from speculators_train.head import TargetHead
 from speculators_train.proposal import best_paths, tree_from_paths
-from speculators_train.target import TargetHead
 
 V, H, T, HEADS = 16, 8, 12, 3
 

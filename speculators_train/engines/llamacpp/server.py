@@ -26,28 +26,24 @@ from speculators_train import children
 from speculators_train.engines.llamacpp.build import ensure_built
 from speculators_train.errors import UserError
 
-# llama-server detects DFlash and DSpark drafts (GGUF architecture `dflash`) and MTP heads from the file itself
-# (common/speculative.cpp, `common_speculative_types_from_gguf`); any other draft needs its type named: the one
-# SPEC_TYPES holds for its architecture, else `draft-simple`, a plain causal LM (without a type the server loads the
-# draft and never drafts).
-DETECTED = frozenset({"dflash"})
-SPEC_TYPES = {"eagle3": "draft-eagle3"}
+# llama-server's --spec-type for a plain causal LM draft; without a type the server loads a draft and never drafts.
+# Each export format names its own type (`ExportFormat.llamacpp_spec_type`).
 PLAIN_LM = "draft-simple"
 
 
-def draft_args(draft: Path, architecture: str, k: int, p_min: float = 0.0) -> list[str]:
-    """llama-server's arguments for the draft GGUF `draft` (of GGUF `architecture`) at K draft tokens per step
-    (p_min 0: every step drafts all K)."""
-    spec_type = [] if architecture in DETECTED else ["--spec-type", SPEC_TYPES.get(architecture, PLAIN_LM)]
+def draft_args(draft: Path, spec_type: str | None, k: int, p_min: float = 0.0) -> list[str]:
+    """llama-server's arguments for the draft GGUF `draft` of `--spec-type` `spec_type` (None: a type the server
+    detects from the file) at K draft tokens per step (p_min 0: every step drafts all K)."""
+    spec_type = [] if spec_type is None else ["--spec-type", spec_type]
     return [
         "-md", str(draft), *spec_type,
         "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", f"{p_min:g}",
     ]  # fmt: skip
 
 
-def serve_command(verifier: str, draft: Path, architecture: str, k: int) -> str:
+def serve_command(verifier: str, draft: Path, spec_type: str | None, k: int) -> str:
     """The `llama-server` command line a user runs for the target GGUF `verifier` with this draft."""
-    return f"llama-server {shlex.join(['-m', verifier, *draft_args(draft, architecture, k)])}"
+    return f"llama-server {shlex.join(['-m', verifier, *draft_args(draft, spec_type, k)])}"
 
 
 @dataclass

@@ -15,7 +15,8 @@ from speculators_train.families.dflash.proposer import DFlashProposer
 from speculators_train.families.dflash.settings import Settings
 from speculators_train.families.eagle_arch.family import EagleFamily
 from speculators_train.families.vocab import default_mask_token_id
-from speculators_train.target import Target, TargetHead
+from speculators_train.head import TargetHead
+from speculators_train.target import Target
 
 
 class DFlashFamily(EagleFamily):
@@ -26,7 +27,6 @@ class DFlashFamily(EagleFamily):
     settings = Settings
     title = "DFlash draft"
     step_label = "position"
-    columns = ("loss", "acc", "full_acc", "cond_acc")
     draft_type = DFlashDraft
     config_type = DFlashConfig
     not_saved = ("embed_tokens.weight",)

@@ -25,7 +25,7 @@ from speculators_train.families.dflash.model import DFlashDraft
 from speculators_train.families.divergence import Divergence, divergence
 from speculators_train.families.objective import ChainAccuracy, Objective, Sums, global_counts, key, ratio
 from speculators_train.families.vocab import draft_to_target
-from speculators_train.target import TargetHead
+from speculators_train.head import TargetHead
 
 
 def sample_anchors(candidates: torch.Tensor, limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:

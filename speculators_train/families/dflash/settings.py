@@ -6,13 +6,17 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from speculators_train.families.base import Divergence, FamilySettings
+from speculators_train.families.base import Divergence, FamilySettings, SmallDraft
 
 MAX_BLOCK = 64  # a block's slots (anchor + masks); a config past it is refused when read
 MAX_DRAFT_LAYERS = 64
 
 
 class Settings(FamilySettings):
+    small: ClassVar[SmallDraft] = SmallDraft(
+        {"block_size": 4, "num_layers": 1, "mask_token_id": 16, "draft_vocab_size": 512},
+        learning_rate=3e-4,  # at 3e-3 a fresh draft settles on one token for every slot (docs/families.md)
+    )
     family: Literal["dflash"] = "dflash"
     draft_vocab_size: int = Field(8192, gt=0, description="Reduced vocab from the generator's token counts.")
     block_size: int = Field(

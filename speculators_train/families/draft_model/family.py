@@ -20,8 +20,9 @@ from speculators_train.families.draft_model.objective import DraftModelObjective
 from speculators_train.families.draft_model.proposer import DraftModelProposer
 from speculators_train.families.draft_model.settings import Settings
 from speculators_train.folders import check_model_folder
+from speculators_train.head import TargetHead
 from speculators_train.loading import describe, reading
-from speculators_train.target import NO_STATES, StateSpec, Target, TargetHead
+from speculators_train.target import NO_STATES, StateSpec, Target
 
 
 def starting_model(settings: Settings, target_config: Any) -> nn.Module:
@@ -122,7 +123,6 @@ class DraftModelFamily(Family):
     settings = Settings
     title = "draft model"
     step_label = "step"
-    columns = ("loss", "full_acc", "cond_acc")
     draft_type = StandaloneDraft
     config_type = DraftModelConfig
 

@@ -19,7 +19,7 @@ import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from speculators_train.engines.llamacpp.converter import OUTTYPES, convert
-from speculators_train.engines.llamacpp.server import serve_command
+from speculators_train.engines.llamacpp.server import PLAIN_LM, serve_command
 from speculators_train.families.base import ExportFormat
 from speculators_train.families.draft_model.model import StandaloneDraft, checked_config, lm_values
 from speculators_train.families.format_common import (
@@ -89,6 +89,7 @@ class GGUFFormat(ModelFolderFormat):
     engines = "llama.cpp (`llama-server -md draft.gguf`)"
     draft_file = "draft.gguf"
     draft_architecture = "llama"
+    llamacpp_spec_type = PLAIN_LM
 
     def detect(self, config: dict[str, Any]) -> bool:
         return False  # the directory's config.json is the model folder's, read back as that format
@@ -100,4 +101,4 @@ class GGUFFormat(ModelFolderFormat):
         return None  # vLLM serves the folder itself: export --format hf
 
     def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
-        return [serve_command(verifier, out / self.draft_file, self.draft_architecture, k)]
+        return [serve_command(verifier, out / self.draft_file, self.llamacpp_spec_type, k)]

@@ -16,7 +16,7 @@ from speculators_train.chunks import chunk_rows, chunked
 from speculators_train.families.divergence import Divergence, divergence
 from speculators_train.families.draft_model.model import StandaloneDraft
 from speculators_train.families.objective import ChainAccuracy, Objective, Sums, global_counts, key, ratio
-from speculators_train.target import TargetHead, logit_softcap, softcapped
+from speculators_train.head import TargetHead, logit_softcap, softcapped
 
 
 def draft_model_loss(

@@ -10,7 +10,8 @@ from speculators_train.families.eagle3.proposer import Eagle3Proposer
 from speculators_train.families.eagle3.settings import Settings
 from speculators_train.families.eagle_arch.family import EagleFamily
 from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft, checked_config
-from speculators_train.target import Target, TargetHead
+from speculators_train.head import TargetHead
+from speculators_train.target import Target
 
 
 class Eagle3Family(EagleFamily):
@@ -18,7 +19,6 @@ class Eagle3Family(EagleFamily):
     settings = Settings
     title = "EAGLE-3 draft"
     step_label = "ttt step"
-    columns = ("loss", "full_acc", "cond_acc")
     draft_type = Eagle3Draft
     config_type = Eagle3Config
     not_saved = ("embed_tokens.weight",)  # the target's, frozen and large: restored from the target

@@ -30,6 +30,7 @@ class GGUFFormat(SpeculatorsFormat):
     engines = "llama.cpp (`llama-server --spec-type draft-eagle3`)"
     draft_file = "draft.gguf"
     draft_architecture = "eagle3"
+    llamacpp_spec_type = "draft-eagle3"
 
     def detect(self, config: dict[str, Any]) -> bool:
         return False  # the directory's config.json is the speculators one, read back as that format
@@ -51,4 +52,4 @@ class GGUFFormat(SpeculatorsFormat):
         convert(out, out / self.draft_file, OUTTYPES[dtype], target_dir=target_dir)
 
     def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
-        return [serve_command(verifier, out / self.draft_file, self.draft_architecture, k)]
+        return [serve_command(verifier, out / self.draft_file, self.llamacpp_spec_type, k)]

@@ -15,7 +15,7 @@ from speculators_train.families.divergence import Divergence, divergence
 from speculators_train.families.eagle_arch.align import align
 from speculators_train.families.eagle_arch.model import Eagle3Draft
 from speculators_train.families.objective import ChainAccuracy, Objective, Sums, global_counts, key, ratio
-from speculators_train.target import TargetHead
+from speculators_train.head import TargetHead
 
 
 def ttt_loss(

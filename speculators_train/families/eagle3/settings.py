@@ -6,10 +6,11 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from speculators_train.families.base import Divergence, FamilySettings
+from speculators_train.families.base import Divergence, FamilySettings, SmallDraft
 
 
 class Settings(FamilySettings):
+    small: ClassVar[SmallDraft] = SmallDraft({"ttt_steps": 3, "draft_vocab_size": 512})
     family: Literal["eagle3"] = "eagle3"
     draft_vocab_size: int = Field(8192, gt=0, description="Reduced vocab from the generator's token counts.")
     ttt_steps: int = Field(7, gt=0, description="Training-time test unroll depth.")

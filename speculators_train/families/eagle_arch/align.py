@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from speculators_train.families.eagle_arch.model import Eagle3Draft
 from speculators_train.families.vocab import draft_to_target
-from speculators_train.target import TargetHead
+from speculators_train.head import TargetHead
 
 
 @dataclass

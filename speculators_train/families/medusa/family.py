@@ -3,7 +3,6 @@ export in vLLM's Medusa format; their measured tree comes from each checkpoint's
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,15 +15,13 @@ from speculators_train.families.medusa.proposer import MedusaProposer, measured_
 from speculators_train.families.medusa.settings import Settings
 from speculators_train.families.objective import key
 from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
-from speculators_train.loading import read_json
+from speculators_train.head import TargetHead
 from speculators_train.proposal import TreeSpec
-from speculators_train.target import StateSpec, Target, TargetHead
+from speculators_train.target import StateSpec, Target
 
 
-def rank_accuracies(checkpoint: Path, heads: int) -> list[list[float]]:
-    """Per-head rank accuracies [head][rank] recorded with a checkpoint's held-out metrics."""
-    state_file = checkpoint / "trainer_state.json"
-    held_out = read_json(state_file, "trainer state").get("held_out", {}) if state_file.is_file() else {}
+def rank_accuracies(held_out: dict[str, Any], heads: int) -> list[list[float]]:
+    """Per-head rank accuracies [head][rank] among a checkpoint's held-out metrics."""
     out = []
     for h in range(heads):
         row = []
@@ -33,8 +30,8 @@ def rank_accuracies(checkpoint: Path, heads: int) -> list[list[float]]:
         out.append(row)
     if not all(out):
         raise UserError(
-            f"{checkpoint}: eval.tree.shape 'measured' needs the held-out per-head rank accuracies that a Medusa "
-            "checkpoint trained by this toolkit records; this one has none (use shape 'dynamic')"
+            "eval.tree.shape 'measured' needs the held-out per-head rank accuracies that a Medusa checkpoint "
+            "trained by this toolkit records; this one has none (use shape 'dynamic')"
         )
     return out
 
@@ -44,7 +41,6 @@ class MedusaFamily(Family):
     settings = Settings
     title = "Medusa heads"
     step_label = "head"
-    columns = ("loss", "full_acc", "cond_acc", "top1_acc", "top5_acc")
     draft_type = MedusaDraft
     config_type = MedusaConfig
 
@@ -88,13 +84,13 @@ class MedusaFamily(Family):
     def max_draft_tokens(self, draft: MedusaDraft) -> int:
         return draft.config.num_heads
 
-    def tree(self, draft: MedusaDraft, tree: Any, checkpoint: Path) -> TreeSpec:
+    def tree(self, draft: MedusaDraft, tree: Any, held_out: dict[str, Any]) -> TreeSpec:
         """Medusa's construction for shape 'measured': one fixed tree of the `budget` rank paths with the highest
         product of the checkpoint's measured rank accuracies."""
         if tree.shape != "measured":
-            return super().tree(draft, tree, checkpoint)
+            return super().tree(draft, tree, held_out)
         depth = self.draft_tokens(draft, tree.depth)
-        paths = measured_tree(rank_accuracies(checkpoint, depth), tree.budget)
+        paths = measured_tree(rank_accuracies(held_out, depth), tree.budget)
         return TreeSpec(tree.top_k, depth, tree.budget, paths)
 
     def card_rows(self, draft: MedusaDraft, fmt: str, k: int) -> list[tuple[str, str]]:

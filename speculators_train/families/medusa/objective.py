@@ -24,7 +24,7 @@ from speculators_train.families.divergence import Divergence, divergence
 from speculators_train.families.medusa.model import MedusaDraft
 from speculators_train.families.objective import ChainAccuracy, Objective, Sums, global_counts, key, ratio
 from speculators_train.families.vocab import draft_to_target
-from speculators_train.target import TargetHead
+from speculators_train.head import TargetHead
 
 RANKS = 10  # candidate ranks scored per head: the widest tree a measured tree can grow
 
@@ -101,7 +101,8 @@ def medusa_loss(
 
 
 class MedusaObjective(Objective):
-    metric_names = ("loss", "full_acc", "cond_acc", "top1_acc", "top5_acc", *(f"rank{r}_acc" for r in range(RANKS)))
+    columns = ("loss", "full_acc", "cond_acc", "top1_acc", "top5_acc")
+    metric_names = (*columns, *(f"rank{r}_acc" for r in range(RANKS)))
 
     def __init__(self, draft: MedusaDraft, head: TargetHead, decay: float, hard: bool, kind: Divergence = "ce") -> None:
         super().__init__(draft, head)

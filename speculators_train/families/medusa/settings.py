@@ -6,7 +6,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from speculators_train.families.base import FamilySettings, TargetStates
+from speculators_train.families.base import FamilySettings, SmallDraft, TargetStates
 
 # Caps a recipe and a Medusa file are held to: head h predicts the token h + 2 ahead, and the published heads
 # number 3 to 5 with 1 block each. A file's shared lm_head (`original_lm_head`) is copied once per head, so the
@@ -16,6 +16,7 @@ MAX_BLOCKS = 16
 
 
 class Settings(FamilySettings):
+    small: ClassVar[SmallDraft] = SmallDraft({"num_heads": 3, "draft_vocab_size": 512})
     family: Literal["medusa"] = "medusa"
     num_heads: int = Field(4, gt=0, le=MAX_HEADS, description="Head h predicts token t+2+h.")
     num_layers: int = Field(1, gt=0, le=MAX_BLOCKS, description="Residual blocks x + SiLU(Wx + b) per head.")

@@ -12,7 +12,8 @@ from speculators_train.families.mlp.model import MLPConfig, MLPDraft, checked_co
 from speculators_train.families.mlp.objective import MLPObjective
 from speculators_train.families.mlp.proposer import MLPProposer
 from speculators_train.families.mlp.settings import Settings
-from speculators_train.target import StateSpec, Target, TargetHead
+from speculators_train.head import TargetHead
+from speculators_train.target import StateSpec, Target
 
 
 class MLPFamily(Family):
@@ -20,7 +21,6 @@ class MLPFamily(Family):
     settings = Settings
     title = "MLP speculator"
     step_label = "stage"
-    columns = ("loss", "full_acc", "cond_acc")
     draft_type = MLPDraft
     config_type = MLPConfig
 

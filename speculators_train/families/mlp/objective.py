@@ -19,7 +19,7 @@ from speculators_train.chunks import chunk_rows, chunked
 from speculators_train.families.divergence import Divergence, divergence
 from speculators_train.families.mlp.model import MLPDraft
 from speculators_train.families.objective import ChainAccuracy, Objective, Sums, global_counts, key, ratio
-from speculators_train.target import TargetHead
+from speculators_train.head import TargetHead
 
 
 def mlp_loss(

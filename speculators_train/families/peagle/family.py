@@ -15,7 +15,8 @@ from speculators_train.families.peagle.objective import PEagleObjective
 from speculators_train.families.peagle.proposer import PEagleProposer
 from speculators_train.families.peagle.settings import Settings
 from speculators_train.families.vocab import default_mask_token_id
-from speculators_train.target import Target, TargetHead
+from speculators_train.head import TargetHead
+from speculators_train.target import Target
 
 
 class PEagleFamily(EagleFamily):
@@ -23,7 +24,6 @@ class PEagleFamily(EagleFamily):
     settings = Settings
     title = "P-EAGLE draft"
     step_label = "depth"
-    columns = ("loss", "acc", "full_acc", "cond_acc")
     draft_type = PEagleDraft
     config_type = PEagleConfig
     not_saved = ("embed_tokens.weight",)  # the target's, frozen; the trained mask row is `mask_embedding`

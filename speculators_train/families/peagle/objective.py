@@ -20,7 +20,7 @@ from speculators_train.families.divergence import Divergence, divergence
 from speculators_train.families.eagle_arch.align import align
 from speculators_train.families.objective import Objective, Sums, global_counts, key, ratio
 from speculators_train.families.peagle.model import PEagleDraft, sample_chains
-from speculators_train.target import TargetHead
+from speculators_train.head import TargetHead
 
 
 def scatter_any(index: torch.Tensor, flags: torch.Tensor, length: int) -> torch.Tensor:

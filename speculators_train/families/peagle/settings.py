@@ -6,12 +6,13 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from speculators_train.families.base import Divergence, FamilySettings
+from speculators_train.families.base import Divergence, FamilySettings, SmallDraft
 
 MAX_DEPTHS = 64  # draft tokens one forward may propose; a config past it is refused when read
 
 
 class Settings(FamilySettings):
+    small: ClassVar[SmallDraft] = SmallDraft({"depths": 4, "mask_token_id": 16, "draft_vocab_size": 512})
     family: Literal["peagle"] = "peagle"
     draft_vocab_size: int = Field(8192, gt=0, description="Reduced vocab from the generator's token counts.")
     depths: int = Field(

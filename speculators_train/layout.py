@@ -1,0 +1,125 @@
+"""Every on-disk name of a run, in one place: a stage reads another stage's files through these paths and readers,
+so the dependency is an import the layering test sees, and a rename is one edit (`tests/unit/test_layering.py`
+fails on a run file named anywhere else).
+
+    <training.output_dir>/
+      train/metrics.jsonl                      the trainer's log
+      train/checkpoints/step-000120/           one checkpoint: model.safetensors, draft_config.json (the draft's
+                                               files, families/drafts.py), optimizer.pt, trainer_state.json, and
+                                               under FSDP2 optimizer-rank00000-of-00002.pt, ... (a rank's slice)
+      train/checkpoints/latest.json            {"step": 120}: rewritten atomically after the directory lands
+      train/checkpoints/best.json              {"step": 80, "metric": ..., "value": ...}
+      verify/<time>/results.json               one `verify` run's records
+      export/<format>/                         what `export` writes
+      osd/                                     online distillation (its own files: osd/distill.py, osd/ingest.py)
+
+The hidden states live in `recipe.hidden_states_dir`, their files named and read by `hidden_states/shards.py`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from speculators_train.errors import UserError
+from speculators_train.loading import read_json_object
+
+WEIGHTS = "model.safetensors"
+DRAFT_CONFIG = "draft_config.json"
+TRAINER_STATE = "trainer_state.json"
+OPTIMIZER = "optimizer.pt"
+LATEST = "latest.json"
+BEST = "best.json"
+METRICS = "metrics.jsonl"
+RESULTS = "results.json"
+
+
+def train_dir(run_dir: Path) -> Path:
+    return run_dir / "train"
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return train_dir(run_dir) / "checkpoints"
+
+
+def verify_dir(run_dir: Path) -> Path:
+    return run_dir / "verify"
+
+
+def export_dir(run_dir: Path) -> Path:
+    return run_dir / "export"
+
+
+def osd_dir(run_dir: Path) -> Path:
+    return run_dir / "osd"
+
+
+def step_dir(checkpoints: Path, step: int) -> Path:
+    return checkpoints / f"step-{step:06d}"
+
+
+def shard_name(rank: int, world: int) -> str:
+    """The file of a checkpoint holding one rank's slice of the optimizer state (FSDP2)."""
+    return f"optimizer-rank{rank:05d}-of-{world:05d}.pt"
+
+
+def read_pointer(path: Path) -> dict[str, Any] | None:
+    """A checkpoints/ pointer (`LATEST`, `BEST`), None when absent; its `step` is an integer >= 0."""
+    if not path.is_file():
+        return None
+    pointer = read_json_object(path, "checkpoint pointer")
+    step = pointer.get("step")
+    if type(step) is not int or step < 0:
+        shown = json.dumps(step)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise UserError(f"{path}: checkpoint pointer: step must be an integer >= 0, got {shown}")
+    return pointer
+
+
+def is_complete(checkpoint: Path) -> bool:
+    return all((checkpoint / name).is_file() for name in (WEIGHTS, DRAFT_CONFIG, TRAINER_STATE))
+
+
+def latest_checkpoint(checkpoints: Path) -> Path | None:
+    """The checkpoint `LATEST` names; if that one is gone or incomplete, the newest complete one."""
+    pointer = read_pointer(checkpoints / LATEST)
+    if pointer is not None and is_complete(step_dir(checkpoints, pointer["step"])):
+        return step_dir(checkpoints, pointer["step"])
+    complete = sorted((p for p in checkpoints.glob("step-*") if is_complete(p)), key=lambda p: p.name)
+    return complete[-1] if complete else None
+
+
+def best_or_latest(path: Path) -> Path | None:
+    """The checkpoint a checkpoints/ directory or a run directory stands for: its best, else its latest."""
+    for root in (path, path / "checkpoints", checkpoints_dir(path)):
+        pointer = read_pointer(root / BEST)
+        if pointer is not None and step_dir(root, pointer["step"]).is_dir():
+            return step_dir(root, pointer["step"])
+        latest = latest_checkpoint(root) if root.is_dir() else None
+        if latest is not None:
+            return latest
+    return None
+
+
+def step_dirs(checkpoints: Path) -> list[int]:
+    """The steps of the checkpoint directories there, oldest first."""
+    return sorted(int(p.name[5:]) for p in checkpoints.glob("step-*") if p.is_dir())
+
+
+def read_trainer_state(checkpoint: Path) -> dict[str, Any] | None:
+    """A checkpoint's trainer state (step, data position, identity, held-out metrics), None where it has none (a
+    draft another tool made)."""
+    path = checkpoint / TRAINER_STATE
+    return read_json_object(path, "trainer state") if path.is_file() else None
+
+
+def held_out_metrics(checkpoint: Path) -> dict[str, Any]:
+    """The held-out metrics a checkpoint was saved with ({} where it has none)."""
+    held_out = (read_trainer_state(checkpoint) or {}).get("held_out")
+    return held_out if isinstance(held_out, dict) else {}
+
+
+def verify_results(run_dir: Path) -> list[Path]:
+    """Every `verify` run's results file of a run, newest first."""
+    return sorted(verify_dir(run_dir).glob(f"*/{RESULTS}"), reverse=True)
