@@ -30,7 +30,7 @@ from speculators_train.errors import UserError, run_script
 from speculators_train.layout import checkpoints_dir
 from speculators_train.recipe import DEFAULT_RECIPE, load_recipe
 from speculators_train.schema import parse_overrides
-from speculators_train.verify.engine import target_files
+from speculators_train.verify.llamacpp_run import target_files
 from speculators_train.verify.run import verify
 
 

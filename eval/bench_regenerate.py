@@ -29,9 +29,9 @@ from speculators_train.data.chat import Chat
 from speculators_train.data.regenerate import regenerate, regenerate_llamacpp, regenerate_vllm
 from speculators_train.data.splits import load_splits
 from speculators_train.errors import run_script
+from speculators_train.origin import gguf_file, resolve_origin
 from speculators_train.recipe import load_recipe
 from speculators_train.schema import parse_overrides
-from speculators_train.sources import gguf_file, resolve_source
 from speculators_train.target import load_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,7 +105,7 @@ def main() -> None:
             times = [c.cpu_times() for c in psutil.Process().children(recursive=True)]
             return _cpu() + sum(t.user + t.system for t in times)
 
-        model = Path(resolve_source(recipe.target)[0])
+        model = Path(resolve_origin(recipe.target)[0])
         with Engine(model, max_model_len=max_length, seed=seed) as engine:
             regenerate_vllm(convs[:4], chat, regen, max_length, seed, model, engine)  # warm-up
             cpu, wall = engine_cpu(), time.perf_counter()

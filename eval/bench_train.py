@@ -45,7 +45,7 @@ def main() -> None:
         recipe = load_recipe(args.recipe, {**overrides, "output_dir": tmp, "training.wandb.mode": "disabled"})
         trainer = Trainer(recipe)
         model, device = trainer.objective, trainer.accelerator.device
-        batches = (batch for batch, _ in trainer.source.epoch(0, None))
+        batches = (batch for batch, _ in trainer.batches.epoch(0, None))
 
         def step() -> int:
             batch = next(batches)

@@ -15,7 +15,7 @@ from speculators_train.architectures import model_class, text_config, text_decod
 from speculators_train.chunks import chunk_rows, chunked
 from speculators_train.errors import UserError
 from speculators_train.loading import open_tensors, reading
-from speculators_train.sources import TargetConfig, _weight_map, resolve_source
+from speculators_train.origin import TargetConfig, _weight_map, resolve_origin
 
 
 def logit_softcap(config) -> float | None:
@@ -155,7 +155,7 @@ def load_head_weights(cfg: TargetConfig):
     transformers maps them when it loads the model."""
     from transformers import AutoConfig
 
-    source, _ = resolve_source(cfg)
+    source, _ = resolve_origin(cfg)
     local = Path(source)
     if not local.is_dir():
         from huggingface_hub import snapshot_download

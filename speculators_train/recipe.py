@@ -6,7 +6,7 @@ types fail with the file and the dotted key, e.g.
 ``recipes/eagle3.yaml: training.lerning_rate: unknown key (did you mean learning_rate?)``.
 
 A stage's section lives next to that stage (`data/config.py`, `hidden_states/config.py`, `training/config.py`,
-`export/config.py`, `osd/config.py`; `target:` in `sources.py`, `eval:` in `eval_config.py`), none of them importing
+`export/config.py`, `osd/config.py`; `target:` in `origin.py`, `eval:` in `eval_config.py`), none of them importing
 torch; this module composes them into `Recipe`, with the rules that tie sections together.
 """
 
@@ -25,9 +25,9 @@ from speculators_train.eval_config import EvalConfig
 from speculators_train.export.config import ExportConfig
 from speculators_train.folders import check_model_folder
 from speculators_train.hidden_states.config import GenerationConfig
+from speculators_train.origin import TargetConfig, gguf_file
 from speculators_train.osd.config import OSDConfig
 from speculators_train.schema import Section, apply_overrides, read_yaml_mapping, validate_mapping
-from speculators_train.sources import TargetConfig, gguf_file
 from speculators_train.training.config import TrainingConfig
 
 # The `draft:` section: the settings of one registered family, chosen by its `family` key.

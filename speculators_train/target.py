@@ -26,8 +26,8 @@ from speculators_train.architectures import is_composite, model_class, text_conf
 from speculators_train.errors import UserError
 from speculators_train.head import TargetHead, logit_softcap, meta_model, softcapped
 from speculators_train.loading import describe, reading
+from speculators_train.origin import TargetConfig, resolve_origin
 from speculators_train.packed import packed_linears
-from speculators_train.sources import TargetConfig, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class Target:
         return _stable_hash(text)
 
     @property
-    def stored_states(self) -> StateSpec:
+    def aux_and_final(self) -> StateSpec:
         """What the generator stores for training: the recipe's aux layers and the final pre-norm state."""
         return StateSpec(tuple(self.aux_layer_ids), final=True)
 
@@ -217,7 +217,7 @@ class Target:
         vision: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Aux states concatenated in id order [B, T, len(ids)*H] (None when `spec` reads none) and the pre-norm
-        final state [B, T, H]; `spec` defaults to `stored_states`. `vision`: the processor's tensors for the images
+        final state [B, T, H]; `spec` defaults to `aux_and_final`. `vision`: the processor's tensors for the images
         in `input_ids` (`data/render.py`).
 
         Runs the decoder body only where there are no images: the lm_head (a vocab-sized matmul) is not needed to
@@ -225,7 +225,7 @@ class Target:
         image tokens and, for M-RoPE, sets positions from the image grids), its head on the last position alone.
         Inputs go to the target's device; the states stay there.
         """
-        spec = StateSpec((spec or self.stored_states).aux_layer_ids, final=True)
+        spec = StateSpec((spec or self.aux_and_final).aux_layer_ids, final=True)
         with self.capture(spec) as store:
             mask = attention_mask.to(self.device) if attention_mask is not None else None  # None: no padding
             if vision:
@@ -282,7 +282,7 @@ def load_target_config(cfg: TargetConfig):
     """The target's transformers config alone (no weights): what the engine checks need."""
     from transformers import AutoConfig
 
-    source, _ = resolve_source(cfg)
+    source, _ = resolve_origin(cfg)
     if Path(source).is_dir():
         with reading(Path(source) / "config.json", "target config"):  # one line, as load_head_weights says it
             return AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
@@ -302,7 +302,7 @@ def load_processor(cfg: TargetConfig, config=None) -> tuple[object, str]:
     config = config if config is not None else load_target_config(cfg)
     if not is_composite(config):
         return None, ""
-    source, _ = resolve_source(cfg)
+    source, _ = resolve_origin(cfg)
     try:
         processor = AutoProcessor.from_pretrained(
             source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
@@ -318,7 +318,7 @@ def load_tokenizer(cfg: TargetConfig):
     """The target's tokenizer (with its chat template) alone: what rendering the data needs."""
     from transformers import AutoTokenizer
 
-    source, _ = resolve_source(cfg)
+    source, _ = resolve_origin(cfg)
     try:
         return AutoTokenizer.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     except Exception as exc:
@@ -333,7 +333,7 @@ def load_target(cfg: TargetConfig, weights: bool = True) -> Target:
     identity, tokenizer and layer count for a stage where another engine (vLLM) runs the target."""
     from transformers import AutoConfig, AutoTokenizer
 
-    source, hub_id = resolve_source(cfg)
+    source, hub_id = resolve_origin(cfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}

@@ -80,7 +80,7 @@ def random_draft(target):
     """Vocabulary from the first 1024 ids; tests that change it work on a copy."""
     import torch
 
-    from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
+    from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft
     from speculators_train.families.vocab import build_vocab_mapping
 
     torch.manual_seed(0)

@@ -399,9 +399,9 @@ PROCESSORS = {"gemma3": gemma3_processor}
 
 def base_tokenizer_dir() -> str:
     """SmolLM2's tokenizer, from the embedded default target (converted once into the cache)."""
-    from speculators_train.sources import TargetConfig, resolve_source
+    from speculators_train.origin import TargetConfig, resolve_origin
 
-    return resolve_source(TargetConfig())[0]
+    return resolve_origin(TargetConfig())[0]
 
 
 def template_tokenizer(name: str, extra: tuple[str, ...] = ()):

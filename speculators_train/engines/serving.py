@@ -28,7 +28,7 @@ from speculators_train import children
 from speculators_train.architectures import uses_mla
 from speculators_train.files import atomic_write_json
 from speculators_train.loading import read_json
-from speculators_train.sources import cache_root
+from speculators_train.origin import cache_root
 
 
 @dataclass
@@ -268,7 +268,7 @@ COMMAND_PREFIXES = {"vllm": "vllm serve ", "llama.cpp": "llama-server "}
 
 def gguf_architecture(target: Any) -> str | None:
     """`general.architecture` of the recipe's target when it is a GGUF file (what llama-server runs), else None."""
-    from speculators_train.sources import gguf_file
+    from speculators_train.origin import gguf_file
 
     path = gguf_file(target)
     if path is None or not path.is_file():

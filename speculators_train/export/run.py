@@ -36,9 +36,9 @@ from speculators_train.layout import (
     verify_results,
 )
 from speculators_train.loading import read_json, read_json_object, reading
+from speculators_train.origin import describe_origin, gguf_file, resolve_origin
 from speculators_train.recipe import Recipe
 from speculators_train.runlock import exclusive
-from speculators_train.sources import describe_source, gguf_file, resolve_source
 
 
 @dataclass
@@ -76,7 +76,7 @@ def model_card(
         "| setting | value |",
         "|---|---|",
         f"| target (verifier) | `{verifier}` |",
-        f"| trained and measured against | {describe_source(recipe.target)} |",
+        f"| trained and measured against | {describe_origin(recipe.target)} |",
         *(f"| {name} | {value} |" for name, value in family.card_rows(loaded.draft, fmt, k)),
         f"| dtype | {dtype} |",
         "",
@@ -193,7 +193,7 @@ def export(
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: expected one of {sorted(DTYPES)}")
     out = out or export_dir(recipe.run_dir) / fmt
-    source, hub_id = resolve_source(recipe.target)
+    source, hub_id = resolve_origin(recipe.target)
     checkpoint_dir = checkpoint or checkpoints_dir(recipe.run_dir)
     local_target = [Path(source)] if Path(source).exists() else []
     reads = [checkpoint_dir, recipe.hidden_states_dir, train_dir(recipe.run_dir), *local_target]

@@ -34,9 +34,9 @@ from speculators_train.hidden_states.shards import (
     TOKEN_FREQ,
     VERSION,
     check_sha256,
+    held_states,
     read_manifest,
     shard_name,
-    stored_states,
     write_shard,
 )
 from speculators_train.loading import open_tensors, read_json
@@ -70,7 +70,7 @@ def generation_identity(recipe: Recipe, target: Target, splits: Splits, world_si
 
 
 def check_identity(path: Path, stored: dict[str, Any], current: dict[str, Any]) -> None:
-    stored = {**stored, "target_states": stored_states(stored)}
+    stored = {**stored, "target_states": held_states(stored)}
     if "regenerate" in stored:
         stored = {**stored, "regenerate": RegenerateConfig.identity(stored["regenerate"])}
     diffs = [
@@ -124,7 +124,7 @@ def generate(recipe: Recipe) -> dict[str, Any]:
     identity = generation_identity(recipe, target, splits, world)
     if (out_dir / MANIFEST).is_file():
         manifest = read_manifest(out_dir)
-        held = stored_states(manifest["identity"])
+        held = held_states(manifest["identity"])
         if manifest.get("complete") and STATE_LEVELS.index(held) > STATE_LEVELS.index(identity["target_states"]):
             # A complete set holding more states than this family reads serves it as it is (train reads a subset).
             identity = {**identity, "target_states": held}

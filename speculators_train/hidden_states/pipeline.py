@@ -24,8 +24,8 @@ from speculators_train.data.regenerate import (
 )
 from speculators_train.data.render import Sample, render_many
 from speculators_train.errors import UserError
+from speculators_train.origin import gguf_file, resolve_origin
 from speculators_train.recipe import Recipe
-from speculators_train.sources import gguf_file, resolve_source
 from speculators_train.target import DTYPES, StateSpec, Target
 
 if TYPE_CHECKING:
@@ -173,4 +173,4 @@ def finite_states(captured: list[dict[str, Any]], target: Target) -> list[dict[s
 
 def replying_model_dir(recipe: Recipe) -> Path:
     """The folder vLLM regenerates replies with: `data.regenerate.model`, else the target's."""
-    return Path(recipe.data.regenerate.model or resolve_source(recipe.target)[0])
+    return Path(recipe.data.regenerate.model or resolve_origin(recipe.target)[0])

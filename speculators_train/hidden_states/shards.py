@@ -46,7 +46,7 @@ def tensor_names(states: str) -> tuple[str, ...]:
     return ("input_ids", "loss_mask", *STATE_TENSORS[states], "offsets")
 
 
-def stored_states(identity: dict[str, Any]) -> str:
+def held_states(identity: dict[str, Any]) -> str:
     """The target states a shard set holds ("aux+final", "final" or "none"), from its manifest identity."""
     return identity.get("target_states", "aux+final")
 
@@ -143,7 +143,7 @@ class HiddenStateShards(torch.utils.data.Dataset):
         self.index: list[tuple[int, int]] = []
         self.lengths: list[int] = []  # tokens per sample, for length-bucketed batching
         self.verified: set[int] = set()  # shards whose sha256 was checked by this process
-        self.keys = tensor_names(states or stored_states(self.manifest["identity"]))[:-1]  # per sample: no offsets
+        self.keys = tensor_names(states or held_states(self.manifest["identity"]))[:-1]  # per sample: no offsets
         for entry in self.manifest["splits"][split]["shards"]:
             if not entry["num_samples"]:
                 continue
@@ -182,7 +182,7 @@ def validate(directory: Path) -> list[str]:
     identity = manifest["identity"]
     width = len(identity["aux_layer_ids"]) * identity["hidden_size"]
     dtype = getattr(torch, identity["storage_dtype"])
-    held = STATE_TENSORS[stored_states(identity)]
+    held = STATE_TENSORS[held_states(identity)]
     problems = [] if manifest.get("complete") else [f"{directory}: generation not complete"]
     loss_tokens_train = 0
     for split in SPLITS:
@@ -201,8 +201,8 @@ def validate(directory: Path) -> list[str]:
             with open_tensors(path, "hidden-state shard") as fh:
                 names = fh.keys()  # safetensors' reader is not iterable
                 t = {key: fh.get_tensor(key) for key in names}
-            if sorted(t) != sorted(tensor_names(stored_states(identity))):
-                problems.append(f"{path}: holds {sorted(t)}, the manifest's states are {stored_states(identity)!r}")
+            if sorted(t) != sorted(tensor_names(held_states(identity))):
+                problems.append(f"{path}: holds {sorted(t)}, the manifest's states are {held_states(identity)!r}")
                 continue
             n_tok = t["input_ids"].numel()
             shapes = {"aux_hidden_states": (n_tok, width), "hidden_state": (n_tok, identity["hidden_size"])}

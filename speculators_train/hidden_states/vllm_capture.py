@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from speculators_train.errors import UserError
+from speculators_train.origin import resolve_origin
 from speculators_train.recipe import Recipe
-from speculators_train.sources import resolve_source
 from speculators_train.target import StateSpec, Target, resolve_device, resolve_dtype
 
 CONNECTOR = "HiddenStatesConnector"
@@ -78,7 +78,7 @@ class VllmCapture:
         from speculators_train.engines import vllm
 
         self.engine = vllm.Engine(
-            Path(resolve_source(recipe.target)[0]),
+            Path(resolve_origin(recipe.target)[0]),
             {
                 "method": "extract_hidden_states",
                 "num_speculative_tokens": 1,

@@ -1,1 +1,1 @@
-"""Training: the loop every family shares (one training step), its data sources, checkpoints and ZeRO state."""
+"""Training: the loop every family shares (one training step), its batch streams, checkpoints and strategies."""

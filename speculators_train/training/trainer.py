@@ -34,9 +34,9 @@ from speculators_train.runinfo import write_run_info
 from speculators_train.target import load_target
 from speculators_train.tracking import init_wandb
 from speculators_train.training import checkpoint as ckpt
+from speculators_train.training.batches import CapturedBatches, StoredBatches
 from speculators_train.training.data import collate
 from speculators_train.training.select import select
-from speculators_train.training.sources import OfflineSource, OnlineSource
 from speculators_train.training.start import check_same_run, initial_draft, resume_identity, trim_log
 from speculators_train.training.step import optimizer, train_step, trainable
 from speculators_train.training.strategy import Strategy, accelerator, for_recipe
@@ -87,24 +87,24 @@ class Trainer:
         random.seed(self.recipe.seed)
 
     def _set_up_data(self) -> tuple[Any, dict[str, torch.Tensor]]:
-        """The data source (stored shards, or the target captured in the loop), and the target's config and head
+        """The batch stream (stored shards, or the target captured in the loop), and the target's config and head
         weights the draft starts from; refuses a run with nothing held out on any rank."""
         recipe = self.recipe
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         if recipe.generation.hidden_states == "offline":
-            self.source = OfflineSource(recipe, world, rank)
+            self.batches = StoredBatches(recipe, world, rank)
         else:
             fewest = partial(across_ranks, self.accelerator, op="min")
-            self.source = OnlineSource(recipe, load_target(recipe.target), world, rank, fewest)
+            self.batches = CapturedBatches(recipe, load_target(recipe.target), world, rank, fewest)
         target_config, weights = load_head_weights(recipe.target)
-        mine = len(self.source.held_out)
+        mine = len(self.batches.held_out)
         held_out = int(self.accelerator.reduce(torch.tensor(mine, device=self.accelerator.device), "sum"))
         self.strategy.check_held_out(held_out, lambda: across_ranks(self.accelerator, mine, "min"))
         return target_config, weights
 
     def _set_up_state(self) -> None:
         """The state a checkpoint carries, fresh, with the settings a resumed run must share (`identity`)."""
-        self.identity = resume_identity(self.recipe, self.source.data_fingerprint, self.accelerator.num_processes)
+        self.identity = resume_identity(self.recipe, self.batches.data_fingerprint, self.accelerator.num_processes)
         self.state = {
             "step": 0,
             "epoch": 0,
@@ -123,7 +123,7 @@ class Trainer:
         # (then overwritten), so a seed keeps giving the same draft.
         head = TargetHead.from_weights(target_config, weights)
         draft = initial_draft(
-            recipe, self.family, target_config, weights, self.source.token_freq, self.source.aux_layer_ids
+            recipe, self.family, target_config, weights, self.batches.token_freq, self.batches.aux_layer_ids
         )
         draft.gradient_checkpointing = self.cfg.gradient_checkpointing
         objective = self.family.objective(draft, head, recipe.draft)
@@ -131,10 +131,10 @@ class Trainer:
             # Scored with the draft as it starts (every rank alike), so a resumed run selects the same samples.
             started = time.perf_counter()
             objective.to(self.accelerator.device)
-            kept = select(self.cfg.select, objective, self.source.train, recipe.seed, self.accelerator.device)
-            self.source.restrict(kept)
+            kept = select(self.cfg.select, objective, self.batches.train, recipe.seed, self.accelerator.device)
+            self.batches.restrict(kept)
             self.state["select_seconds"] = time.perf_counter() - started
-            log.info("training.select: %d of %d samples (%s)", len(kept), len(self.source.train), self.cfg.select.by)
+            log.info("training.select: %d of %d samples (%s)", len(kept), len(self.batches.train), self.cfg.select.by)
         self.chain_length, self.metric_keys, self.columns = objective.steps, objective.metric_keys, objective.columns
         # The acceptance length held-out validation predicts, and the best checkpoint is kept by.
         self.al_depth = min(recipe.eval.num_speculative_tokens, self.chain_length)
@@ -145,7 +145,7 @@ class Trainer:
         """The optimizer over the draft's trainable weights, the learning-rate schedule over the step (or time)
         budget, and both prepared by the accelerator."""
         opt = optimizer(trainable(objective.draft), self.cfg.learning_rate, self.cfg.weight_decay)
-        self.batches_per_epoch = self.source.batches_per_epoch()
+        self.batches_per_epoch = self.batches.batches_per_epoch()
         steps_per_epoch = math.ceil(self.batches_per_epoch / self.cfg.gradient_accumulation_steps)
         total = self.cfg.epochs * steps_per_epoch
         self.total_steps = min(total, self.cfg.max_steps) if self.cfg.max_steps else total
@@ -255,7 +255,7 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Held-out metrics summed over this rank's samples, then over ranks (every rank reduces, even with none)."""
         self.objective.eval()
-        held_out = self.source.held_out  # this rank's share
+        held_out = self.batches.held_out  # this rank's share
         sums = dict.fromkeys(self.metric_keys, torch.zeros(2, device=self.accelerator.device))
         starts = list(range(0, len(held_out), self.cfg.batch_size))
         counted = len(starts)
@@ -321,7 +321,7 @@ class Trainer:
         """The current epoch's micro-batches from its stored position: forward + loss, backward; clip and step once
         per accumulated group. False when the budget ends it first."""
         state, window = self.state, self._window
-        for batch, position in self.source.epoch(state["epoch"], state["position"]):
+        for batch, position in self.batches.epoch(state["epoch"], state["position"]):
             loss, metrics = train_step(
                 self.accelerator, self.objective, self.optimizer, self._to_device(batch), self.cfg.max_grad_norm
             )

@@ -178,7 +178,7 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
         write_outputs(out_dir, records)
         return out_dir, records
     if ev.engine == "llama.cpp":
-        from speculators_train.verify.engine import run_llamacpp
+        from speculators_train.verify.llamacpp_run import run_llamacpp
 
         del target  # llama.cpp runs the target from here on; free the transformers copy
         records = run_llamacpp(recipe, suites, loaded, out_dir)

@@ -24,9 +24,9 @@ from speculators_train.engines import vllm
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
 from speculators_train.families.base import ExportFormat, LoadedDraft
+from speculators_train.origin import resolve_origin
 from speculators_train.recipe import Recipe
-from speculators_train.sources import resolve_source
-from speculators_train.verify.engine import first_divergence
+from speculators_train.verify.llamacpp_run import first_divergence
 from speculators_train.verify.report import quartiles
 from speculators_train.verify.suites import Suite
 
@@ -44,7 +44,7 @@ def served_format(loaded: LoadedDraft) -> ExportFormat:
 
 def target_dir(recipe: Recipe) -> Path:
     """The HF folder vLLM loads the target from: the one the native loop loads (a GGUF target's dequantised copy)."""
-    return Path(resolve_source(recipe.target)[0])
+    return Path(resolve_origin(recipe.target)[0])
 
 
 def settings(

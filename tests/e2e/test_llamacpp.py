@@ -13,16 +13,16 @@ from speculators_train.export.run import export
 from speculators_train.families import get
 from speculators_train.families.drafts import load_draft
 from speculators_train.families.vocab import draft_to_target
+from speculators_train.origin import resolve_origin
 from speculators_train.recipe import load_recipe
-from speculators_train.sources import resolve_source
 from speculators_train.training.checkpoint import save_checkpoint
-from speculators_train.verify.engine import f32_gguf, first_divergence, record, settings
+from speculators_train.verify.llamacpp_run import f32_gguf, first_divergence, record, settings
 from tests.conftest import SHAREGPT, make_recipe
 
 
 def decoded(recipe, args: list[str], prompt: list[int], tmp_path: Path) -> tuple[Completion, Completion]:
     """(target-only, with `args`) greedy completions of `prompt` by llama-server on the recipe's target as F32."""
-    target_gguf = f32_gguf(Path(resolve_source(recipe.target)[0]))
+    target_gguf = f32_gguf(Path(resolve_origin(recipe.target)[0]))
     with (
         Server(target_gguf, [], tmp_path / "base.log") as base,
         Server(target_gguf, args, tmp_path / "spec.log") as spec,

@@ -232,7 +232,7 @@ def test_online_training_writes_no_states_and_resumes_exactly(tmp_path, monkeypa
 def test_checkpoint_pointer_to_a_missing_step_falls_back_to_the_newest_complete(tmp_path):
     from transformers import LlamaConfig
 
-    from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
+    from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft
     from speculators_train.layout import latest_checkpoint
     from speculators_train.training.checkpoint import save_checkpoint
 
@@ -288,7 +288,7 @@ def test_a_draft_exported_for_sglang_fine_tunes_from_its_own_weights_and_vocab(t
     assert tuned.config.draft_vocab_size == 1024 and torch.equal(tuned.d2t, original["d2t"])
     assert not torch.equal(tuned.fc.weight, original["fc.weight"])
 
-    from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
+    from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft
     from speculators_train.training.checkpoint import save_checkpoint
 
     other = Eagle3Draft(Eagle3Config.for_target(target.config, [3, 15, 27], 64, False))
@@ -392,14 +392,14 @@ def test_acceptance_guided_selection_trains_on_the_samples_the_draft_fails_on(tm
     for by in ("acceptance", "uniform"):
         path = run_recipe(tmp_path / by, states, training={"init_from": str(start), "max_steps": 1})
         trainer = Trainer(load_recipe(path, {"training.select": {"keep": 0.5, "by": by}}))
-        source = trainer.source
+        source = trainer.batches
         n = len(source.train)
         assert len(source.kept) == round(n / 2)
         seen = {i for e in range(2) for batch in source._batches(e) for i in batch}
         assert seen <= set(source.kept)
         chosen[by] = source.kept
     scorer = Trainer(load_recipe(run_recipe(tmp_path / "scorer", states, training={"init_from": str(start)})))
-    scores = acceptance_lengths(scorer.objective, scorer.source.train, torch.device("cpu"))
+    scores = acceptance_lengths(scorer.objective, scorer.batches.train, torch.device("cpu"))
     assert max(scores[i] for i in chosen["acceptance"]) <= min(
         scores[i] for i in range(len(scores)) if i not in chosen["acceptance"]
     )

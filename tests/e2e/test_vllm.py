@@ -149,13 +149,13 @@ def reference(target, tmp_path_factory):
     """vLLM's own target-only greedy output for the fitted prompt (one engine start for the module)."""
     from speculators_train.data.chat import Chat
     from speculators_train.engines.vllm import Engine
+    from speculators_train.origin import resolve_origin
     from speculators_train.recipe import TargetConfig
-    from speculators_train.sources import resolve_source
     from speculators_train.verify.suites import chat_ids
     from tests.conftest import PROMPT
 
     prompt = chat_ids(Chat(target.tokenizer), PROMPT)
-    hf_dir = resolve_source(TargetConfig())[0]
+    hf_dir = resolve_origin(TargetConfig())[0]
     with Engine(hf_dir) as engine:
         out = engine.generate([prompt], MAX_NEW, 0.0, 1.0, [0])
     return hf_dir, prompt, out.completions[0].tokens

@@ -213,7 +213,7 @@ def test_speculators_library_loads_our_dflash_export_and_computes_the_same_logit
     its own training forward, at the anchors ours scores, gives our block logits at every slot."""
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
 
-    from speculators_train.sources import resolve_source
+    from speculators_train.origin import resolve_origin
 
     draft = random_dflash(target, block_size=4, layers=2)
     recipe = load_recipe(
@@ -236,7 +236,7 @@ def test_speculators_library_loads_our_dflash_export_and_computes_the_same_logit
     assert "embed_tokens.weight" not in tensors and tensors["lm_head.weight"].shape == (1024, 576)
 
     config = DFlashSpeculatorConfig.from_pretrained(out)
-    config.speculators_config.verifier.name_or_path = resolve_source(recipe.target)[0]  # offline: the local copy
+    config.speculators_config.verifier.name_or_path = resolve_origin(recipe.target)[0]  # offline: the local copy
     config.transformer_layer_config._attn_implementation = "eager"
     theirs = DFlashDraftModel.from_pretrained(out, config=config).eval()
     assert set(theirs.state_dict()) - set(tensors) == {

@@ -24,12 +24,12 @@ from safetensors.torch import load_file, save_file
 from speculators_train.cli import main
 from speculators_train.export.run import export
 from speculators_train.families.drafts import check_fits, load_draft
-from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
+from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.medusa.model import MedusaDraft
 from speculators_train.families.vocab import build_vocab_mapping
 from speculators_train.head import load_head_weights
+from speculators_train.origin import resolve_origin
 from speculators_train.recipe import TargetConfig, load_recipe
-from speculators_train.sources import resolve_source
 from speculators_train.training.checkpoint import save_checkpoint
 from tests.conftest import SHAREGPT, make_recipe
 from tests.faults import clean_error, mount_tmpfs, run_cli
@@ -878,7 +878,7 @@ LATE = {
 
 def target_recipe(tmp_path: Path, files: dict[str, Any]) -> tuple[Path, Path]:
     """(a recipe whose target is a directory of `files`, that directory)."""
-    real = Path(resolve_source(TargetConfig())[0])
+    real = Path(resolve_origin(TargetConfig())[0])
     target = tmp_path / "target"
     written = {}
     for name, content in files.items():
@@ -926,7 +926,7 @@ def test_a_damaged_gguf_target_is_refused_in_one_line(tmp_path, capsys, base, co
 
 def test_a_target_config_naming_fewer_layers_than_its_weights_is_refused(tmp_path, capsys, base):
     """transformers loads such a target truncated (and says so only in a log line): it would be used silently."""
-    config = json.loads((Path(resolve_source(TargetConfig())[0]) / "config.json").read_text())
+    config = json.loads((Path(resolve_origin(TargetConfig())[0]) / "config.json").read_text())
     config["num_hidden_layers"] -= 2
     files = {**TOKENIZER, "config.json": json.dumps(config), "model.safetensors": REAL}
     recipe, target = target_recipe(tmp_path, files)
@@ -937,7 +937,7 @@ def test_a_target_config_naming_fewer_layers_than_its_weights_is_refused(tmp_pat
 
 
 def test_a_target_tokenizer_without_a_chat_template_is_refused_by_verify(tmp_path, capsys, base):
-    real = Path(resolve_source(TargetConfig())[0])
+    real = Path(resolve_origin(TargetConfig())[0])
     tokenizer_config = json.loads((real / "tokenizer_config.json").read_text())
     tokenizer_config.pop("chat_template", None)
     files = {

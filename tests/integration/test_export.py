@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
+from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.eagle3.proposer import Eagle3Proposer
-from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
 from speculators_train.proposal import Sampling
 from speculators_train.recipe import load_recipe
@@ -64,7 +64,7 @@ def setup(tmp_path, draft):
 def test_speculators_library_loads_our_export_and_computes_the_same_draft_logits(tmp_path, target, norms):
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    from speculators_train.sources import resolve_source
+    from speculators_train.origin import resolve_origin
 
     draft = random_draft(target, **norms)
     recipe = load_recipe(make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]))
@@ -73,7 +73,7 @@ def test_speculators_library_loads_our_export_and_computes_the_same_draft_logits
     config = Eagle3SpeculatorConfig.from_pretrained(out)
     assert config.speculators_config.verifier.name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
     # Tests are offline: point the verifier at the local copy of the same target instead of the hub id.
-    config.speculators_config.verifier.name_or_path = resolve_source(recipe.target)[0]
+    config.speculators_config.verifier.name_or_path = resolve_origin(recipe.target)[0]
     config.transformer_layer_config._attn_implementation = "sdpa"
     theirs = Eagle3DraftModel.from_pretrained(out, config=config).eval()
 

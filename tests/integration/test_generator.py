@@ -25,7 +25,7 @@ from speculators_train.hidden_states.pipeline import process_chunk
 from speculators_train.hidden_states.shards import TENSORS, HiddenStateShards, read_manifest, validate
 from speculators_train.packed import available
 from speculators_train.recipe import load_recipe
-from speculators_train.training.sources import OfflineSource
+from speculators_train.training.batches import StoredBatches
 from tests.children import CLI, Child, run_python
 from tests.conftest import REPO, SHAREGPT, make_recipe
 from tests.faults import clean_error
@@ -117,11 +117,11 @@ def test_manifest_counts_token_freq_and_validate(generated):
 def test_online_mode_yields_the_same_samples(generated, target):
     """Online training's source cuts the held-out split into the generator's chunks, with the same seeds: it holds
     exactly the samples `generate` stored."""
-    from speculators_train.training.sources import OnlineSource
+    from speculators_train.training.batches import CapturedBatches
 
     recipe, _ = generated
     stored = {s["id"]: s for s in HiddenStateShards(recipe.hidden_states_dir, "held_out")}
-    online = OnlineSource(recipe, target, 1, 0, lambda value: value).held_out
+    online = CapturedBatches(recipe, target, 1, 0, lambda value: value).held_out
     assert [s["id"] for s in online] == list(stored)
     for sample in online:
         for key in TENSORS[:-1]:
@@ -169,13 +169,13 @@ def test_output_written_before_a_regenerate_option_existed_still_trains_and_reru
     moved = recipe.model_copy(update={"output_dir": str(tmp_path / "run")})
     moved._source_path = recipe.source_path
     assert generate(moved)["identity"]["regenerate"]["enabled"] is False
-    assert OfflineSource(moved, world=1, rank=0).train is not None
+    assert StoredBatches(moved, world=1, rank=0).train is not None
     regenerated = moved.model_copy(
         update={"data": moved.data.model_copy(update={"regenerate": RegenerateConfig(enabled=True)})}
     )
     regenerated._source_path = recipe.source_path
     with pytest.raises(UserError, match=r"another setup: data\.regenerate \{'enabled': False\} there"):
-        OfflineSource(regenerated, world=1, rank=0)
+        StoredBatches(regenerated, world=1, rank=0)
 
 
 def test_a_medusa_or_mlp_recipe_stores_the_final_state_alone_and_a_family_takes_a_set_that_holds_what_it_reads(
@@ -215,7 +215,7 @@ def test_a_medusa_or_mlp_recipe_stores_the_final_state_alone_and_a_family_takes_
                 torch.testing.assert_close(a.get_tensor(key), b.get_tensor(key), rtol=0, atol=0, msg=f"{name}:{key}")
 
     with pytest.raises(UserError, match=r"holds 'final' target states and a eagle3 draft trains on 'aux\+final'"):
-        OfflineSource(medusa.model_copy(update={"draft": eagle3.draft}), world=1, rank=0)
+        StoredBatches(medusa.model_copy(update={"draft": eagle3.draft}), world=1, rank=0)
     with pytest.raises(UserError, match=r"refusing to mix them:\n  target_states: 'final' there, 'aux\+final' now"):
         generate(medusa.model_copy(update={"draft": eagle3.draft}))
     # The other way round: Medusa trains on EAGLE-3's set, and generating for it there has nothing to do.
@@ -223,7 +223,7 @@ def test_a_medusa_or_mlp_recipe_stores_the_final_state_alone_and_a_family_takes_
     before = {p: p.stat().st_mtime_ns for p in eagle3.hidden_states_dir.rglob("*") if p.is_file()}
     assert generate(on_full) == manifest
     assert before == {p: p.stat().st_mtime_ns for p in eagle3.hidden_states_dir.rglob("*") if p.is_file()}
-    read = OfflineSource(on_full, world=1, rank=0).train
+    read = StoredBatches(on_full, world=1, rank=0).train
     assert len(read) == len(full) and "aux_hidden_states" not in read[0]  # read only what Medusa trains on
 
     # A shard whose tensors are not the states its manifest names is a problem `validate` names.

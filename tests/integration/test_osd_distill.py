@@ -162,7 +162,7 @@ def test_distillation_promotes_a_better_draft_refuses_a_worse_one_and_resumes(tm
 
 
 def test_the_general_suite_is_captured_at_the_layers_the_adapted_draft_reads(tmp_path, target):
-    from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
+    from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft
 
     draft = Eagle3Draft(Eagle3Config.for_target(target.config, [1, 10, 20], 256, False))
     init = save_checkpoint(tmp_path / "init", 1, draft, None, {"step": 1}, keep_last=1)

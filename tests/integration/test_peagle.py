@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
-from speculators_train.families.eagle_arch.model import DraftCache, Eagle3Config
+from speculators_train.families.eagle.model import DraftCache, Eagle3Config
 from speculators_train.families.peagle.model import PEagleConfig, PEagleDraft, sample_chains
 from speculators_train.families.peagle.objective import parallel_loss
 from speculators_train.families.peagle.proposer import PEagleProposer
@@ -212,7 +212,7 @@ def test_speculators_library_loads_our_peagle_export_and_computes_the_same_logit
     from speculators.losses import resolve_loss_config
     from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
 
-    from speculators_train.sources import resolve_source
+    from speculators_train.origin import resolve_origin
 
     draft = random_peagle(target, depths=4, norm_before_fc=norm_before_fc)
     recipe = load_recipe(
@@ -232,7 +232,7 @@ def test_speculators_library_loads_our_peagle_export_and_computes_the_same_logit
     assert embed[others].equal(target.embed_tokens.weight[others])
 
     config = PEagleSpeculatorConfig.from_pretrained(out)
-    config.speculators_config.verifier.name_or_path = resolve_source(recipe.target)[0]  # offline: the local copy
+    config.speculators_config.verifier.name_or_path = resolve_origin(recipe.target)[0]  # offline: the local copy
     config.transformer_layer_config._attn_implementation = "sdpa"
     theirs = PEagleDraftModel.from_pretrained(out, config=config).eval()
     assert theirs.mask_token_id == MASK_ID

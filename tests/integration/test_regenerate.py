@@ -85,9 +85,9 @@ def test_llamacpp_regeneration_answers_each_turn_from_the_served_gguf(target, tm
     no token-level equality is asserted."""
     from speculators_train.data.regenerate import regenerate_llamacpp
     from speculators_train.engines.llamacpp.server import Server
+    from speculators_train.origin import gguf_file, resolve_origin
     from speculators_train.recipe import TargetConfig
-    from speculators_train.sources import gguf_file, resolve_source
-    from speculators_train.verify.engine import f32_gguf
+    from speculators_train.verify.llamacpp_run import f32_gguf
 
     tok = target.tokenizer
     convs = [
@@ -111,7 +111,7 @@ def test_llamacpp_regeneration_answers_each_turn_from_the_served_gguf(target, tm
             assert regenerated.messages[turn]["content"].strip()
             assert regenerated.messages[turn]["content"] != conv.messages[turn]["content"]
     # One slot: batched slots fork from a lone request at near-ties even on F32 (seen on a CPU without AVX-512).
-    f32 = f32_gguf(Path(resolve_source(TargetConfig())[0]))
+    f32 = f32_gguf(Path(resolve_origin(TargetConfig())[0]))
     one = cfg.model_copy(update={"batch_size": 1})
     out = regenerate_llamacpp(convs, Chat(tok), one, max_length=512, seed=0, gguf=f32)
     with Server(f32, [], tmp_path / "one.log") as server:
@@ -146,11 +146,11 @@ def small_lm(target, tmp_path_factory):
     (what a standalone draft's `hf` export is)."""
     from transformers import AutoModelForCausalLM
 
+    from speculators_train.origin import resolve_origin
     from speculators_train.recipe import TargetConfig
-    from speculators_train.sources import resolve_source
 
     where = tmp_path_factory.mktemp("small_lm")
-    model = AutoModelForCausalLM.from_pretrained(resolve_source(TargetConfig())[0], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(resolve_origin(TargetConfig())[0], dtype=torch.float32)
     model.model.layers = model.model.layers[:2]
     model.config.num_hidden_layers = 2
     model.save_pretrained(where)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from speculators_train.errors import UserError
+from speculators_train.origin import NAMED_TARGETS, _package_dir, resolve_origin
 from speculators_train.recipe import TargetConfig
-from speculators_train.sources import NAMED_TARGETS, _package_dir, resolve_source
 from speculators_train.target import default_aux_layer_ids, load_target
 
 
@@ -63,10 +63,10 @@ def test_a_target_too_shallow_for_the_default_aux_ids_is_told_to_set_them(num_la
 
 def test_gguf_is_converted_once_and_reused():
     named = NAMED_TARGETS["smollm2-135m-instruct"]
-    first, hub = resolve_source(TargetConfig())
+    first, hub = resolve_origin(TargetConfig())
     stamp = os.stat(f"{first}/config.json").st_mtime_ns
     gguf = _package_dir(named.package) / named.gguf_file
-    again, _ = resolve_source(TargetConfig(name_or_path=str(gguf)))
+    again, _ = resolve_origin(TargetConfig(name_or_path=str(gguf)))
     assert again == first and os.stat(f"{first}/config.json").st_mtime_ns == stamp
     assert hub == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -80,12 +80,12 @@ def test_gguf_is_converted_once_and_reused():
 )
 def test_bad_target_paths(name, message):
     with pytest.raises(UserError, match=message):
-        resolve_source(TargetConfig(name_or_path=name))
+        resolve_origin(TargetConfig(name_or_path=name))
 
 
 def test_directory_without_config_is_refused(tmp_path):
     with pytest.raises(UserError, match=r"without config\.json"):
-        resolve_source(TargetConfig(name_or_path=str(tmp_path)))
+        resolve_origin(TargetConfig(name_or_path=str(tmp_path)))
 
 
 def test_cached_copy_gives_the_same_logits_as_the_gguf(target):

@@ -11,8 +11,8 @@ from tqdm import tqdm
 from transformers import LlamaConfig
 
 from speculators_train.errors import UserError
+from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.eagle3.proposer import Eagle3Proposer
-from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
 from speculators_train.packed import available, packed_linears
 from speculators_train.proposal import DraftTree, Sampling, TreeSpec
 from speculators_train.recipe import load_recipe

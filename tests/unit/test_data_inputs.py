@@ -339,9 +339,9 @@ MEMORY_PROBE = textwrap.dedent(
     from speculators_train.data.conversations import Conversation, SkipReport
     from speculators_train.data.render import render
     from speculators_train.recipe import TargetConfig
-    from speculators_train.sources import resolve_source
+    from speculators_train.origin import resolve_origin
 
-    tokenizer = Chat(AutoTokenizer.from_pretrained(resolve_source(TargetConfig())[0]))
+    tokenizer = Chat(AutoTokenizer.from_pretrained(resolve_origin(TargetConfig())[0]))
     words = "The quick brown fox, 1234 jumps; over the lazy dog!\\n    Déjà vu 🙂 naïve ## ===".split(" ")
     content = " ".join(words[i % len(words)] for i in range(4_000_000))[: int(sys.argv[1])]
     conv = Conversation("s:big", ({"role": "user", "content": "Summarise."}, {"role": "assistant", "content": content}),

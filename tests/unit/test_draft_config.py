@@ -4,7 +4,7 @@ that names the field as the file spells it."""
 import pytest
 
 from speculators_train.families.draft_config import checked, within
-from speculators_train.families.eagle_arch.model import Eagle3Config, LlamaLayer
+from speculators_train.families.eagle.model import Eagle3Config, LlamaLayer
 from speculators_train.families.medusa.model import MedusaConfig
 from speculators_train.families.mlp.model import MLPConfig
 

@@ -10,12 +10,12 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from speculators_train.families.eagle.align import align
+from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft
+from speculators_train.families.eagle.speculators import clean_layer_config, speculators_config
 from speculators_train.families.eagle3.formats import load_sglang_eagle3, sglang_config, weight_name
 from speculators_train.families.eagle3.objective import ttt_loss
 from speculators_train.families.eagle3.proposer import Eagle3Proposer
-from speculators_train.families.eagle_arch.align import align
-from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
-from speculators_train.families.eagle_arch.speculators import clean_layer_config, speculators_config
 from speculators_train.families.format_common import export_tensors
 from speculators_train.families.objective import summarize
 from speculators_train.families.vocab import build_vocab_mapping, draft_to_target

@@ -163,7 +163,7 @@ def test_only_the_families_name_a_family():
 
 
 def test_no_family_imports_another_familys_folder():
-    """What two families share lives outside both (`families/eagle_arch/`, `families/vocab.py`, ...), so a family
+    """What two families share lives outside both (`families/eagle/`, `families/vocab.py`, ...), so a family
     folder can change without breaking another; type-only imports count."""
     from speculators_train.families import FAMILIES
 

@@ -32,7 +32,7 @@ from filelock import FileLock
 
 from speculators_train import children
 from speculators_train.errors import UserError
-from speculators_train.sources import cache_root
+from speculators_train.origin import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from speculators_train.families.dflash.model import DFlashConfig, DFlashDraft, c
 from speculators_train.families.dflash.objective import DFlashObjective
 from speculators_train.families.dflash.proposer import DFlashProposer
 from speculators_train.families.dflash.settings import Settings
-from speculators_train.families.eagle_arch.family import EagleFamily
+from speculators_train.families.eagle.family import EagleFamily
 from speculators_train.families.vocab import default_mask_token_id
 from speculators_train.head import TargetHead
 from speculators_train.target import Target

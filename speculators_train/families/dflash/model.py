@@ -44,7 +44,7 @@ from speculators_train.families.draft_config import (
     spelled,
     within,
 )
-from speculators_train.families.eagle_arch.model import checked_config
+from speculators_train.families.eagle.model import checked_config
 from speculators_train.families.format_common import FILE_KEYS, MAX_LAYERS, MAX_VOCAB
 from speculators_train.families.vocab import first_ids
 
@@ -105,7 +105,7 @@ class DFlashConfig:
 
 
 class DFlashLayers(BaseModel):
-    """The decoder-layer keys a DFlash draft adds to a Qwen3 layer config (the rest is `eagle_arch.LlamaLayer`'s)."""
+    """The decoder-layer keys a DFlash draft adds to a Qwen3 layer config (the rest is `eagle.LlamaLayer`'s)."""
 
     model_config = ConfigDict(extra="allow")
 

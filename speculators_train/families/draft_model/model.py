@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from speculators_train.families.draft_config import Bounded, Vocab, checked, draft_config
-from speculators_train.families.eagle_arch.model import check_layer
+from speculators_train.families.eagle.model import check_layer
 from speculators_train.families.format_common import FILE_KEYS, MAX_HIDDEN, MAX_LAYERS, shown
 
 MAX_DRAFT_LAYERS = 256  # a draft deeper than this is no draft

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from speculators_train.families.eagle.family import EagleFamily
+from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft, checked_config
 from speculators_train.families.eagle3.objective import Eagle3Objective
 from speculators_train.families.eagle3.proposer import Eagle3Proposer
 from speculators_train.families.eagle3.settings import Settings
-from speculators_train.families.eagle_arch.family import EagleFamily
-from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft, checked_config
 from speculators_train.head import TargetHead
 from speculators_train.target import Target
 

@@ -41,15 +41,15 @@ import torch
 from transformers import LlamaConfig
 
 from speculators_train.families.base import ExportFormat
-from speculators_train.families.eagle3.settings import SGLANG_LACKS
-from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft, check_layer, checked_config
-from speculators_train.families.eagle_arch.speculators import (
+from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft, check_layer, checked_config
+from speculators_train.families.eagle.speculators import (
     clean_layer_config,
     layer_config,
     load_eagle3,
     speculators_config,
     speculators_fields,
 )
+from speculators_train.families.eagle3.settings import SGLANG_LACKS
 from speculators_train.families.format_common import (
     dict_field,
     export_tensors,

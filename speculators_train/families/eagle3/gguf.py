@@ -21,8 +21,8 @@ from typing import Any
 
 from speculators_train.engines.llamacpp.converter import OUTTYPES, convert
 from speculators_train.engines.llamacpp.server import serve_command
+from speculators_train.families.eagle.model import Eagle3Draft
 from speculators_train.families.eagle3.formats import SpeculatorsFormat
-from speculators_train.families.eagle_arch.model import Eagle3Draft
 
 
 class GGUFFormat(SpeculatorsFormat):

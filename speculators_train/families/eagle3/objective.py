@@ -1,5 +1,5 @@
 """EAGLE-3 training-time test: loss against the target and per-step accuracies, on the alignment of
-`eagle_arch.align` (index j holds token x_{j+1}, fused state g_j, and predicts x_{j+2}).
+`eagle.align` (index j holds token x_{j+1}, fused state g_j, and predicts x_{j+2}).
 
 Step i of the chain starting at j predicts x_{j+2+i}: its logits sit at index j, its target and mask
 at index j+i. The mask moves with the target (the reference-implementation bug was to leave it behind).
@@ -12,8 +12,8 @@ import torch
 
 from speculators_train.chunks import chunk_rows, chunked
 from speculators_train.families.divergence import Divergence, divergence
-from speculators_train.families.eagle_arch.align import align
-from speculators_train.families.eagle_arch.model import Eagle3Draft
+from speculators_train.families.eagle.align import align
+from speculators_train.families.eagle.model import Eagle3Draft
 from speculators_train.families.objective import ChainAccuracy, Objective, Sums, global_counts, key, ratio
 from speculators_train.head import TargetHead
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from speculators_train.families.eagle_arch.model import DraftCache, Eagle3Draft
+from speculators_train.families.eagle.model import DraftCache, Eagle3Draft
 from speculators_train.families.vocab import draft_to_target
 from speculators_train.proposal import DraftTree, GrowingTree, Sampling, TreeSpec
 from speculators_train.target import StateSpec

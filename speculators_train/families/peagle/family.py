@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from speculators_train.errors import UserError
-from speculators_train.families.eagle_arch.family import EagleFamily
-from speculators_train.families.eagle_arch.model import Eagle3Config
+from speculators_train.families.eagle.family import EagleFamily
+from speculators_train.families.eagle.model import Eagle3Config
 from speculators_train.families.peagle.model import PEagleConfig, PEagleDraft, checked_peagle_config
 from speculators_train.families.peagle.objective import PEagleObjective
 from speculators_train.families.peagle.proposer import PEagleProposer

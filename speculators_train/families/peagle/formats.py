@@ -21,7 +21,7 @@ import torch
 
 from speculators_train.errors import UserError
 from speculators_train.families.base import ExportFormat
-from speculators_train.families.eagle_arch.speculators import load_eagle3, speculators_config, speculators_fields
+from speculators_train.families.eagle.speculators import load_eagle3, speculators_config, speculators_fields
 from speculators_train.families.format_common import (
     export_tensors,
     proposal_config,

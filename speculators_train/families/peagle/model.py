@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculators_train.families.draft_config import Bounded, draft_config, spelled, within
-from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft, checked_config
+from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft, checked_config
 from speculators_train.families.format_common import MAX_VOCAB
 from speculators_train.families.peagle.settings import MAX_DEPTHS
 

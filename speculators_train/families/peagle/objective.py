@@ -1,4 +1,4 @@
-"""P-EAGLE's objective: every depth from one forward, on the EAGLE alignment (`eagle_arch.align`).
+"""P-EAGLE's objective: every depth from one forward, on the EAGLE alignment (`eagle.align`).
 
 The chain anchored at index j predicts at depth d the target at index j + d (token x_{j+2+d}), with that index's
 loss mask and in-vocab check. Training samples chains across depths (`model.sample_chains`); validation scores
@@ -17,7 +17,7 @@ import torch
 
 from speculators_train.chunks import chunk_rows, chunked
 from speculators_train.families.divergence import Divergence, divergence
-from speculators_train.families.eagle_arch.align import align
+from speculators_train.families.eagle.align import align
 from speculators_train.families.objective import Objective, Sums, global_counts, key, ratio
 from speculators_train.families.peagle.model import PEagleDraft, sample_chains
 from speculators_train.head import TargetHead

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from speculators_train.families.eagle_arch.model import DraftCache
+from speculators_train.families.eagle.model import DraftCache
 from speculators_train.families.peagle.model import PEagleDraft
 from speculators_train.families.vocab import draft_to_target
 from speculators_train.proposal import DraftTree, Sampling, TreeSpec, independent_chain, independent_tree

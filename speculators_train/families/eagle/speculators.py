@@ -12,7 +12,7 @@ import transformers
 from transformers import LlamaConfig
 
 from speculators_train.errors import UserError
-from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
+from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.format_common import (
     FILE_KEYS,
     SPECULATORS_VERSION,

@@ -24,7 +24,7 @@ from speculators_train.data.splits import chunk_seed, chunks, data_fingerprint, 
 from speculators_train.errors import UserError
 from speculators_train.families.base import STATE_LEVELS
 from speculators_train.hidden_states.pipeline import process_chunk
-from speculators_train.hidden_states.shards import HiddenStateShards, read_manifest, read_token_freq, stored_states
+from speculators_train.hidden_states.shards import HiddenStateShards, held_states, read_manifest, read_token_freq
 from speculators_train.recipe import Recipe
 from speculators_train.training.data import collate, epoch_batches
 
@@ -32,10 +32,10 @@ Batch = dict[str, torch.Tensor]
 log = logging.getLogger(__name__)
 
 
-class OfflineSource:
+class StoredBatches:
     """Shards written by `generate`; batches are global batches split across ranks (see epoch_batches).
 
-    Like OnlineSource, `held_out` holds this rank's share of the held-out samples."""
+    Like CapturedBatches, `held_out` holds this rank's share of the held-out samples."""
 
     def __init__(self, recipe: Recipe, world: int, rank: int) -> None:
         self.recipe, self.world, self.rank = recipe, world, rank
@@ -81,7 +81,7 @@ class OfflineSource:
             yield collate([self.train[i] for i in batches[index]]), index + 1
 
 
-class OnlineSource:
+class CapturedBatches:
     """Records rendered and run through the target chunk by chunk, as `generate` would, kept in memory.
 
     A chunk's content is a pure function of (seed, epoch, rank, chunk), so a resumed run recomputes the
@@ -141,7 +141,7 @@ def _check_manifest(recipe: Recipe, identity: dict[str, Any], directory: Path) -
     """Shards made for another target, layer set or data settings, or holding fewer states than this recipe's family
     trains on, must not train this recipe's draft."""
     wanted = recipe.target.aux_layer_ids
-    reads, held = recipe.draft.target_states, stored_states(identity)
+    reads, held = recipe.draft.target_states, held_states(identity)
     problems = []
     if identity["name_or_path"] != recipe.target.name_or_path:
         problems.append(f"target {identity['name_or_path']!r} there, {recipe.target.name_or_path!r} in the recipe")

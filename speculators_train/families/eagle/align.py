@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from speculators_train.families.eagle_arch.model import Eagle3Draft
+from speculators_train.families.eagle.model import Eagle3Draft
 from speculators_train.families.vocab import draft_to_target
 from speculators_train.head import TargetHead
 

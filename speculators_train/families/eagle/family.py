@@ -10,7 +10,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from speculators_train.families.base import Family, FamilySettings
-from speculators_train.families.eagle_arch.model import Eagle3Config, Eagle3Draft
+from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
 from speculators_train.head import head_norm_offset
 from speculators_train.target import StateSpec

@@ -164,7 +164,7 @@ def gguf_file(cfg: TargetConfig) -> Path | None:
     return None
 
 
-def describe_source(cfg: TargetConfig) -> str:
+def describe_origin(cfg: TargetConfig) -> str:
     """What a draft was trained and measured against, in words: a GGUF file is dequantised to float by
     `transformers`, which is not the full-precision hub model an export names as its verifier."""
     file = gguf_file(cfg)
@@ -175,7 +175,7 @@ def describe_source(cfg: TargetConfig) -> str:
     return f"the GGUF file `{file.name}`{origin}, dequantised to float by transformers"
 
 
-def resolve_source(cfg: TargetConfig) -> tuple[str, str | None]:
+def resolve_origin(cfg: TargetConfig) -> tuple[str, str | None]:
     """Map the recipe's target to something `from_pretrained` reads: (local dir or hub id, hub id or None)."""
     name = cfg.name_or_path
     if name in NAMED_TARGETS:

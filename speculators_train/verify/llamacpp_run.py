@@ -24,8 +24,8 @@ from speculators_train.engines.llamacpp.server import Completion, Server, draft_
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
 from speculators_train.families.base import ExportFormat, LoadedDraft
+from speculators_train.origin import cache_root, gguf_file, resolve_origin
 from speculators_train.recipe import Recipe
-from speculators_train.sources import cache_root, gguf_file, resolve_source
 from speculators_train.verify.report import quartiles
 from speculators_train.verify.suites import Suite
 
@@ -35,7 +35,7 @@ ENGINE = "llama.cpp"
 def target_files(recipe: Recipe) -> dict[str, Path]:
     """The GGUF files llama.cpp serves the target from, by `eval.llama_cpp.targets` name."""
     out: dict[str, Path] = {}
-    source, _ = resolve_source(recipe.target)
+    source, _ = resolve_origin(recipe.target)
     for name in recipe.eval.llama_cpp.targets:
         if name == "gguf":
             file = gguf_file(recipe.target)
