@@ -54,13 +54,21 @@ class Recipe(Section):
     def _rules(self) -> Recipe:
         if not self.name or "/" in self.name or "\\" in self.name or self.name in (".", "..") or "\0" in self.name:
             raise ValueError("name must be a non-empty string without '/', and not '.' or '..' (it names a directory)")
-        draft, name = self.draft, self.draft.family
         problems = []
         blocker = next((p for p in (self.run_dir, *self.run_dir.parents) if p.exists()), None)
         if blocker is not None and not blocker.is_dir():
             problems.append(f"output_dir {str(self.run_dir)!r}: {blocker} is a file, the run needs a directory there")
         if self.export.format is None:
-            self.export.format = next(iter(draft.formats))
+            self.export.format = next(iter(self.draft.formats))
+        problems += self._draft_problems() + self._engine_problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def _draft_problems(self) -> list[str]:
+        """Rules between the draft section and the others (its family's own included)."""
+        draft, name = self.draft, self.draft.family
+        problems = []
         if self.export.format not in draft.formats:
             problems.append(f"export.format {self.export.format!r}: the {name} family writes {list(draft.formats)}")
         vocab = getattr(draft, "draft_vocab_size", None)
@@ -76,6 +84,16 @@ class Recipe(Section):
                 "training.select scores stored samples with the draft it fine-tunes: it needs training.init_from and "
                 "generation.hidden_states: offline"
             )
+        if self.eval.engine == "vllm" and draft.vllm_format is None:
+            problems.append(
+                f"eval.engine 'vllm': vLLM serves no {draft.family} draft (no format of this family is one its "
+                f"engine runs as a speculative method); verify with 'native'"
+            )
+        return problems
+
+    def _engine_problems(self) -> list[str]:
+        """Rules on which engine regenerates, captures and verifies, against the target and each other."""
+        problems = []
         regen = self.data.regenerate
         if regen.enabled and regen.engine == "llama.cpp" and gguf_file(self.target) is None:
             problems.append(
@@ -107,17 +125,9 @@ class Recipe(Section):
                 )
         elif self.generation.tensor_parallel_size > 1:
             problems.append("generation.tensor_parallel_size: only generation.engine 'vllm' splits the target")
-        if self.eval.engine == "vllm":
-            if draft.vllm_format is None:
-                problems.append(
-                    f"eval.engine 'vllm': vLLM serves no {draft.family} draft (no format of this family is one its "
-                    f"engine runs as a speculative method); verify with 'native'"
-                )
-            if self.eval.mode == "tree":
-                problems.append("eval.engine 'vllm': vLLM drafts chains here; set eval.mode: chain")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
+        if self.eval.engine == "vllm" and self.eval.mode == "tree":
+            problems.append("eval.engine 'vllm': vLLM drafts chains here; set eval.mode: chain")
+        return problems
 
     @property
     def run_dir(self) -> Path:

@@ -96,7 +96,15 @@ def model_card(
                     f"- {split}: {info.get('records')} records, {info.get('samples')} samples, "
                     f"{info.get('tokens')} tokens"
                 )
-    lines += ["", "## Training budget", ""]
+    lines += ["", "## Training budget", "", *_budget_lines(recipe, checkpoint), "", "## Measured acceptance", ""]
+    lines += _acceptance_lines(recipe, checkpoint)
+    lines += ["", "## Serve", "", "```", *commands, "```", ""]
+    return "\n".join(lines)
+
+
+def _budget_lines(recipe: Recipe, checkpoint: Path) -> list[str]:
+    """The card's training budget, from the checkpoint's trainer state."""
+    lines = []
     state = read_trainer_state(checkpoint)
     if state is not None:
         with reading(checkpoint / TRAINER_STATE, "trainer state"):
@@ -114,7 +122,12 @@ def model_card(
                 lines.append(f"Best held-out {best['metric']}: {best['value']:.3f} (step {best['step']}).")
     else:
         lines.append(f"Imported from `{checkpoint}` (made by another tool); its training budget is not recorded.")
-    lines += ["", "## Measured acceptance", ""]
+    return lines
+
+
+def _acceptance_lines(recipe: Recipe, checkpoint: Path) -> list[str]:
+    """The card's measured acceptance, from the newest `verify` results on this checkpoint."""
+    lines = []
     report = latest_verify_report(recipe, checkpoint)
     if report is None:
         lines.append(f"Not measured yet: `speculators-train verify {recipe.source_path} --draft {checkpoint}`.")
@@ -128,8 +141,7 @@ def model_card(
                     f"| {r['suite']} | {r['shape']} | {r['temperature']} | {r['acceptance_length']:.2f} | "
                     f"{r['speedup']:.2f}x |"
                 )
-    lines += ["", "## Serve", "", "```", *commands, "```", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def local_config_dir(source: str, revision: str | None) -> Path:
@@ -203,6 +215,17 @@ def export(
         return _export(recipe, out, fmt, dtype, source, hub_id, checkpoint_dir)
 
 
+def _target_gguf(recipe: Recipe, source: str) -> tuple[str, list[str]]:
+    """The target as an engine that loads a draft file beside it names it (its GGUF file, not a hub id), and a note
+    on making that file where the target is not one."""
+    target_gguf = gguf_file(recipe.target)
+    if target_gguf is not None:
+        return str(target_gguf), []
+    served = f"{Path(source).name}.gguf"
+    make = shlex.join(["python", str(llamacpp_converter()), str(source), "--outfile", served, "--outtype", "bf16"])
+    return served, [f"the target is not a GGUF file: make {served} once with llama.cpp's converter ({make})"]
+
+
 def _export(
     recipe: Recipe, out: Path, fmt: str, dtype: str, source: str, hub_id: str | None, checkpoint_dir: Path
 ) -> Exported:
@@ -220,18 +243,7 @@ def _export(
         raise UserError(f"{loaded.path}: cannot export in the {fmt} format: {'; '.join(problems)}")
 
     verifier = recipe.export.verifier or hub_id or recipe.target.name_or_path
-    served = verifier
-    notes = []
-    if export_format.draft_file:  # the engine loads the target's GGUF file, not a hub id
-        target_gguf = gguf_file(recipe.target)
-        if target_gguf is None:
-            served = f"{Path(source).name}.gguf"
-            make = shlex.join(
-                ["python", str(llamacpp_converter()), str(source), "--outfile", served, "--outtype", "bf16"]
-            )
-            notes.append(f"the target is not a GGUF file: make {served} once with llama.cpp's converter ({make})")
-        else:
-            served = str(target_gguf)
+    served, notes = (verifier, []) if not export_format.draft_file else _target_gguf(recipe, source)
     if hub_id is None and not recipe.export.verifier:
         notes.append(
             f"verifier {verifier!r} is a local path: a serving machine must have it there too, and vLLM's "

@@ -64,6 +64,24 @@ def settings(
     return out
 
 
+def _per_prompt_speedups(spec: vllm.Decoded, base: vllm.Decoded, batch: int) -> list[float]:
+    """Quartiles of each prompt's speedup; with `batch` > 1 every prompt ran in one call and has no time of its own,
+    so all three are the call's."""
+    if batch != 1:
+        return [_rate(spec) / _rate(base)] * 3
+    return quartiles(
+        [
+            (len(s.tokens) / s.seconds) / (len(b.tokens) / b.seconds)
+            for s, b in zip(spec.completions, base.completions, strict=True)
+            if s.tokens and b.tokens
+        ]
+    )
+
+
+def _rate(decoded: vllm.Decoded) -> float:
+    return sum(len(c.tokens) for c in decoded.completions) / decoded.seconds
+
+
 def record(
     suite: str,
     method: str,
@@ -78,21 +96,11 @@ def record(
     thing. `batch` 1: one request at a time, each timed alone; otherwise every prompt in one call."""
     counts = spec.counts
     tokens = [len(c.tokens) for c in spec.completions]
-    spec_tokens, base_tokens = sum(tokens), sum(len(c.tokens) for c in base.completions)
+    spec_tokens = sum(tokens)
     prompts = len(tokens)
     # Each target pass emits one token plus the drafts it accepts; the prefill emits the first.
     passes = max(spec_tokens - prompts - counts.accepted, 1)
-    spec_rate, base_rate = spec_tokens / spec.seconds, base_tokens / base.seconds
-    if batch == 1:
-        per_prompt = quartiles(
-            [
-                (len(s.tokens) / s.seconds) / (len(b.tokens) / b.seconds)
-                for s, b in zip(spec.completions, base.completions, strict=True)
-                if s.tokens and b.tokens
-            ]
-        )
-    else:  # one call: no per-prompt time
-        per_prompt = [spec_rate / base_rate] * 3
+    spec_rate, base_rate = _rate(spec), _rate(base)
     out = {
         "engine": ENGINE,
         "target": "hf",
@@ -115,7 +123,7 @@ def record(
         "target_only_tokens_per_s": base_rate,
         "speculative_tokens_per_s": spec_rate,
         "speedup": spec_rate / base_rate,
-        "per_prompt_speedup_quartiles": per_prompt,
+        "per_prompt_speedup_quartiles": _per_prompt_speedups(spec, base, batch),
         "seconds": {"speculative": spec.seconds, "target_only": base.seconds},
     }
     if temperature == 0:

@@ -240,3 +240,16 @@ def test_only_the_layout_names_a_runs_files():
         assert len(_run_name_offences(probe, names, dirs)) == 4
     finally:
         probe.unlink()
+
+
+def test_no_module_over_400_lines_and_no_function_over_60():
+    """A module holds one job a newcomer reads in one sitting, and a function fits on a screen."""
+    long_modules, long_functions = [], []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > 400:
+            long_modules.append(f"{path.relative_to(REPO)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long_functions.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}")
+    assert not long_modules and not long_functions, (long_modules, long_functions)

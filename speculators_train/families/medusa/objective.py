@@ -51,17 +51,8 @@ def medusa_loss(
         in_vocab = draft.t2d[greedy]
         weight = head.lm_head.weight[draft_to_target(draft.d2t)]  # the target's rows of the draft vocabulary
         hidden = head.norm(final).to(draft.lm_heads[0].weight.dtype)
-    padded_mask = F.pad(mask, (0, 2), value=False)
-    padded_ids = F.pad(ids, (0, 2))
     heads = draft.config.num_heads
-    trained = [padded_mask[:, 2 + h : 2 + h + length - 1 - h] for h in range(heads)]
-    if hard:
-        targets = [padded_ids[:, 2 + h : 2 + h + length - 1 - h] for h in range(heads)]
-        valid = [t & draft.t2d[lab] for t, lab in zip(trained, targets, strict=True)]
-        labels = [draft_index[lab] for lab in targets]  # the label's draft id, where `valid`
-    else:
-        labels = [torch.zeros_like(t, dtype=torch.int64) for t in trained]  # unused
-        valid = [t & in_vocab[:, 1 + h : length] for h, t in enumerate(trained)]
+    trained, valid, labels = _head_positions(draft, ids, mask, in_vocab, draft_index, hard)
     counts = torch.stack([v.sum() for v in valid])
     denominators = global_counts(counts) if across_ranks else counts.clamp(min=1)
     total = torch.zeros((), device=ids.device)
@@ -90,14 +81,42 @@ def medusa_loss(
         total = total + decay**h * loss_sum / denominators[h]
         sums[key("loss", h)] = ratio(loss_sum, counts[h])
         sums.update(chains.step(h, hits[..., 0] & trained[h], trained[h]))
-        ranked = (hits & trained[h][..., None]).sum((0, 1)).float()
-        tokens = trained[h].sum()
-        sums[key("top1_acc", h)] = ratio(ranked[0], tokens)
-        sums[key("top5_acc", h)] = ratio(ranked[:5].sum(), tokens)
-        for r in range(RANKS):
-            hit = ranked[r] if r < len(ranked) else torch.zeros((), device=ids.device)
-            sums[key(f"rank{r}_acc", h)] = ratio(hit, tokens)
+        sums.update(_rank_sums(h, hits, trained[h]))
     return total, sums
+
+
+def _head_positions(
+    draft: MedusaDraft,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    in_vocab: torch.Tensor,
+    draft_index: torch.Tensor,
+    hard: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Per head h (which proposes the token h + 2 after a position): the positions it trains on, those it is scored
+    at (the label, or the target's top-1 when soft, inside the draft vocabulary), and its labels' draft ids."""
+    length = ids.shape[1]
+    padded_mask, padded_ids = F.pad(mask, (0, 2), value=False), F.pad(ids, (0, 2))
+    heads = range(draft.config.num_heads)
+    trained = [padded_mask[:, 2 + h : 2 + h + length - 1 - h] for h in heads]
+    if not hard:
+        labels = [torch.zeros_like(t, dtype=torch.int64) for t in trained]  # unused
+        return trained, [t & in_vocab[:, 1 + h : length] for h, t in enumerate(trained)], labels
+    targets = [padded_ids[:, 2 + h : 2 + h + length - 1 - h] for h in heads]
+    valid = [t & draft.t2d[lab] for t, lab in zip(trained, targets, strict=True)]
+    return trained, valid, [draft_index[lab] for lab in targets]  # the label's draft id, where `valid`
+
+
+def _rank_sums(h: int, hits: torch.Tensor, trained: torch.Tensor) -> Sums:
+    """Head `h`'s top-1, top-5 and per-rank accuracies at its trained positions (`hits` [B, T, ranks]: the target's
+    top-1 is the head's rank-r proposal)."""
+    ranked = (hits & trained[..., None]).sum((0, 1)).float()
+    tokens = trained.sum()
+    out = {key("top1_acc", h): ratio(ranked[0], tokens), key("top5_acc", h): ratio(ranked[:5].sum(), tokens)}
+    for r in range(RANKS):
+        hit = ranked[r] if r < len(ranked) else torch.zeros((), device=hits.device)
+        out[key(f"rank{r}_acc", h)] = ratio(hit, tokens)
+    return out
 
 
 class MedusaObjective(Objective):
