@@ -81,7 +81,7 @@ def test_kill_at_each_crash_window_resumes_to_the_same_curve(tmp_path, states, c
     every event with SPECULATORS_TRAIN_CRASH_SWEEP=all), then the same command: it finishes on the
     uninterrupted curve, with one metrics line per step and validation, and the same best checkpoint."""
     expected, best, labels = uninterrupted(tmp_path / "reference", states, **SWEEP)
-    assert {"Trainer._evaluate train", "Trainer._evaluate _finish_step", "os.replace best.json"} <= set(labels)
+    assert {"Trainer._evaluate _stepped", "Trainer._evaluate _finish_step", "os.replace best.json"} <= set(labels)
     assert "os.replace .step-N.old-N" in labels
     recipe = run_dir(tmp_path, states, **SWEEP)
     for die_at in crash_windows(labels, tail=4):
