@@ -18,12 +18,11 @@ The hidden states live in `recipe.hidden_states_dir`, their files named and read
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from speculators_train.errors import UserError
-from speculators_train.loading import read_json_object
+from speculators_train.loading import read_json_object, shown
 
 WEIGHTS = "model.safetensors"
 DRAFT_CONFIG = "draft_config.json"
@@ -71,9 +70,7 @@ def read_pointer(path: Path) -> dict[str, Any] | None:
     pointer = read_json_object(path, "checkpoint pointer")
     step = pointer.get("step")
     if type(step) is not int or step < 0:
-        shown = json.dumps(step)
-        shown = shown if len(shown) <= 40 else shown[:37] + "..."
-        raise UserError(f"{path}: checkpoint pointer: step must be an integer >= 0, got {shown}")
+        raise UserError(f"{path}: checkpoint pointer: step must be an integer >= 0, got {shown(step)}")
     return pointer
 
 

@@ -30,6 +30,12 @@ def pickled_files(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.is_file() and p.suffix in PICKLE_SUFFIXES)
 
 
+def shown(value: Any) -> str:
+    """A value from a file, short enough for a one-line message."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def describe(exc: BaseException) -> str:
     """A short, single-line account of an exception (no traceback, no multi-line dumps)."""
     if isinstance(exc, RecursionError):

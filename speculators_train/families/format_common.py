@@ -23,7 +23,7 @@ from torch import nn
 
 from speculators_train.errors import UserError
 from speculators_train.families.vocab import checked_maps, kind
-from speculators_train.loading import load_tensors, pickled_files, reading
+from speculators_train.loading import load_tensors, pickled_files, reading, shown
 
 SPECULATORS_VERSION = "0.9.0"  # the format version written; vLLM 0.33 reads it
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,12 +39,6 @@ MAX_LAYERS = 4_096  # target decoder layers: bounds the aux layer ids and target
 FILE_KEYS = ("transformers_version", "dtype", "torch_dtype", "_name_or_path", "architectures")
 
 _REQUIRED = object()  # `default` of a field without one
-
-
-def shown(value: Any) -> str:
-    """A value from a file, short enough for a one-line message."""
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def bool_field(config: dict[str, Any], key: str, default: bool, name: str = "") -> bool:
