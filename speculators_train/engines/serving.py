@@ -273,10 +273,55 @@ def gguf_architecture(target: Any) -> str | None:
     path = gguf_file(target)
     if path is None or not path.is_file():
         return None
+    leading = leading_string(path, "general.architecture")
+    if leading is not None:
+        return leading
     from gguf import GGUFReader
 
     field = GGUFReader(path).fields["general.architecture"]
     return bytes(field.parts[field.data[0]]).decode()
+
+
+def leading_string(path: Path, key: str) -> str | None:
+    """`key`'s value when it comes before the first array among a little-endian GGUF file's metadata, where
+    llama.cpp's writers put `general.architecture`: read from the header alone, not through the vocabulary after it
+    (GGUFReader parses every field, seconds for a 49k-token vocabulary). None when it does not (read it whole)."""
+    import struct
+
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.constants import GGUF_MAGIC, GGUFValueType
+
+    def unpack(fmt: str, fh: Any) -> tuple:
+        return struct.unpack(fmt, fh.read(struct.calcsize(fmt)))
+
+    def text(fh: Any) -> bytes:
+        (length,) = unpack("<Q", fh)
+        if length > 1 << 16:  # a key or a short value; anything longer is another byte order or damage
+            raise ValueError(length)
+        return fh.read(length)
+
+    wanted = key.encode()
+    try:
+        with path.open("rb") as fh:
+            magic, version = unpack("<II", fh)
+            if magic != GGUF_MAGIC or not 2 <= version <= 0xFFFF:  # a big-endian file's version reads byte-swapped
+                return None
+            _, count = unpack("<QQ", fh)
+            for _ in range(count):
+                name, kind = text(fh), unpack("<I", fh)[0]
+                if kind == GGUFValueType.STRING:
+                    value = text(fh)
+                    if name == wanted:
+                        return value.decode()
+                elif kind in GGUFReader.gguf_scalar_to_np:
+                    fh.seek(np.dtype(GGUFReader.gguf_scalar_to_np[kind]).itemsize, 1)
+                else:
+                    return None
+    except (struct.error, ValueError):  # UnicodeDecodeError is a ValueError
+        return None
+    return None
+    return None
 
 
 def serving(engine: str, target: Any, target_config: Any, settings: Any) -> Serving:
