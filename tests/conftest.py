@@ -135,31 +135,46 @@ SMALL = {settings.model_fields["family"].default: settings.small for settings in
 FIT_SETTINGS = {name: small.settings for name, small in SMALL.items()}
 
 
+_REPLIED: dict = {}
+
+
+def replied(target) -> tuple:
+    """(prompt ids, prompt + the target's greedy 48-token reply, its aux states, its final state): what every fit on
+    this target reads, computed once per target folder and state layers in the session."""
+    import torch
+
+    from speculators_train.data.chat import Chat
+    from speculators_train.verify.suites import chat_ids
+
+    key = (target.config._name_or_path, tuple(target.aux_layer_ids), target.dtype, target.device)
+    if key not in _REPLIED:
+        prompt = chat_ids(Chat(target.tokenizer), PROMPT)
+        with torch.no_grad():
+            full = target.model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)
+            aux, final = target.hidden_states(full, torch.ones_like(full))
+        _REPLIED[key] = (prompt, full, aux, final)
+    return _REPLIED[key]
+
+
 def fit(target, tmp: Path, family: str = "eagle3", **settings):
     """(recipe, checkpoint, prompt ids, reply ids): a small draft of `family` (`settings` beside its size) fitted
     for a few seconds to the target's own greedy reply to PROMPT (real target states), so that an engine accepts its
     drafts on that prompt."""
     import torch
 
-    from speculators_train.data.chat import Chat
     from speculators_train.families import get
     from speculators_train.recipe import load_recipe
     from speculators_train.training.checkpoint import save_checkpoint
-    from speculators_train.verify.suites import chat_ids
 
     sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]
     recipe = load_recipe(make_recipe(tmp, sources, draft={"family": family}))
     fam = get(family)
-    prompt = chat_ids(Chat(target.tokenizer), PROMPT)
-    with torch.no_grad():
-        full = target.model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)
+    prompt, full, aux, final = replied(target)
     freq = torch.bincount(full[0], minlength=target.vocab_size).float()
     head = {"embed": target.embed_tokens.weight, "lm_head": target.lm_head.weight, "norm": target.final_norm.weight}
     settings_ = fam.settings(**{**FIT_SETTINGS[family], **settings})
     torch.manual_seed(0)
     draft = fam.new_draft(settings_, target.config, head, freq, target.aux_layer_ids).to(target.device)
-    with torch.no_grad():
-        aux, final = target.hidden_states(full, torch.ones_like(full))
     mask = torch.zeros_like(full, dtype=torch.bool)
     mask[0, len(prompt) :] = True
     # hidden_states runs in inference mode; clones are ordinary tensors autograd may save

@@ -49,7 +49,8 @@ def mount_tmpfs(path: Path, size: int) -> bool:
 
 
 # A child process that runs the CLI and SIGKILLs itself at the Nth call of chosen functions ("events"), so a
-# test hits a crash window by its event number, independent of machine speed. argv: die_at, then CLI args.
+# test hits a crash window by its event number, independent of machine speed. argv: die_at (N, or N@NAME: the Nth
+# call of the event NAME alone), then CLI args.
 # Events: every os.replace (the commit point of every atomic write) and os.fsync, plus any extra
 # "module:attribute" names in SPECULATORS_TRAIN_FAULT_EVENTS (comma separated). die_at 0 runs to the end and
 # prints one label per event to stderr ("event: LABEL"): the function and the file it commits (digits as N) or
@@ -57,13 +58,14 @@ def mount_tmpfs(path: Path, size: int) -> bool:
 KILLER = r"""
 import importlib, os, re, signal, sys
 
-die_at, seen = int(sys.argv[1]), 0
+count, _, only = sys.argv[1].partition("@")
+die_at, seen = int(count), 0
 
 
 def dying(fn, name):
     def wrapped(*args, **kwargs):
         global seen
-        seen += 1
+        seen += not only or name == only
         if seen == die_at:
             os.kill(os.getpid(), signal.SIGKILL)
         if die_at == 0:
@@ -87,9 +89,10 @@ main(sys.argv[2:])
 """
 
 
-def run_killed(die_at: int, argv: list[str], events: list[str] = (), timeout: int = 600) -> tuple[int, str]:
-    """Run the CLI in a child that SIGKILLs itself at event `die_at` (0: never). Returns (returncode, stderr);
-    returncode is -SIGKILL when the kill happened."""
+def run_killed(die_at: int | str, argv: list[str], events: list[str] = (), timeout: int = 600) -> tuple[int, str]:
+    """Run the CLI in a child that SIGKILLs itself at event `die_at` (0: never; "N@name": the Nth call of the event
+    `name`, such as "2@process_chunk"). Returns (returncode, stderr); returncode is -SIGKILL when the kill
+    happened."""
     env = {**os.environ, "SPECULATORS_TRAIN_FAULT_EVENTS": ",".join(events)}
     proc = run_python(KILLER, [die_at, *argv], env=env, cwd=REPO, timeout=timeout)
     assert proc.returncode in (0, -signal.SIGKILL), proc.stderr[-3000:]

@@ -231,7 +231,10 @@ def test_a_loss_that_is_not_a_number_stops_the_run_and_nothing_poisoned_is_kept(
 
 
 def test_wandb_online_without_a_key_is_one_line(tmp_path, states, capsys, monkeypatch):
+    from speculators_train.origin import cache_root
+
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("SPECULATORS_TRAIN_CACHE", str(cache_root()))  # the target's converted copy, not rebuilt
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc holding a key
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     recipe = run_dir(tmp_path, states, wandb={"mode": "online"})

@@ -1,13 +1,14 @@
 """Hidden states captured by vLLM (`generation.engine: vllm`) against the transformers capture, on the real target
-and real ShareGPT records: the same shards and manifest, states equal within fp32 rounding, the same trained
-draft, and a kill -9 that resumes."""
+and real ShareGPT records: a capture killed -9 and rerun gives the same shards and manifest, states equal within
+fp32 rounding and the same trained draft."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
+from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import pytest
@@ -19,7 +20,7 @@ from speculators_train.recipe import load_recipe
 from speculators_train.training.trainer import Trainer
 from tests.conftest import SHAREGPT, make_recipe
 from tests.e2e.test_train import run_recipe
-from tests.faults import clean_error, event_labels, run_cli, run_killed
+from tests.faults import clean_error, run_killed
 
 SOURCES = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}]  # the records of the session's `states`
 VLLM = {"engine": "vllm"}
@@ -66,18 +67,36 @@ def test_the_engine_starts_without_the_launchers_variables_and_they_come_back(tm
 EVENTS = ["speculators_train.hidden_states.generator:process_chunk"]
 
 
+@dataclass
+class Capture:
+    states: Path  # the rerun's shards
+    killed: int  # the killed run's exit code
+    outlived: list  # vLLM engine processes still running after the killed run
+    spool: bool  # the killed engine's spool was on disk before the rerun
+    rerun: tuple[int, str]  # the rerun's exit code and standard error
+
+
 @pytest.fixture(scope="module")
-def captured(tmp_path_factory):
-    """The session's 20 records captured by vLLM, run by the CLI in a child that lists the run's crash-window
-    events (one engine start for the module)."""
+def captured(tmp_path_factory) -> Capture:
+    """The session's 20 records captured by vLLM, run by the CLI in a child killed -9 as it starts its second chunk
+    (the first shard being written), then rerun to the end: two engine starts for the module. The tests compare
+    what the rerun stored with the transformers capture, so a resume that stored a record twice, lost one or
+    shifted a shard fails there."""
     recipe = make_recipe(tmp_path_factory.mktemp("vllm"), SOURCES, generation=VLLM)
-    labels = event_labels(["generate", recipe], EVENTS)
-    return load_recipe(recipe).hidden_states_dir, labels
+    before = {p.pid for p in psutil.process_iter()}
+    killed, _ = run_killed("2@process_chunk", ["generate", recipe], EVENTS)
+    left = [p for p in psutil.process_iter(["pid", "name"]) if p.pid not in before and "VLLM" in (p.name() or "")]
+    psutil.wait_procs(left, timeout=30)
+    out = load_recipe(recipe).hidden_states_dir
+    spool = bool(list(out.glob(".vllm*")))
+    rerun = run_killed(0, ["generate", recipe], EVENTS)
+    return Capture(out, killed, [p for p in left if p.is_running()], spool, rerun)
 
 
 @pytest.fixture(scope="module")
-def vllm_states(captured):
-    return captured[0]
+def vllm_states(captured) -> Path:
+    assert captured.rerun[0] == 0, captured.rerun[1][-3000:]
+    return captured.states
 
 
 def assert_same_states(a: dict, b: dict) -> None:
@@ -123,29 +142,16 @@ def test_a_draft_trained_on_either_capture_has_the_same_held_out_metrics(tmp_pat
         assert metrics[1][key] == pytest.approx(metrics[0][key], rel=1e-3, abs=1e-4), key
 
 
-def test_kill_9_during_vllm_capture_resumes_to_the_same_shards(tmp_path, captured, capsys):
-    """Killed as it starts its second chunk (the first shard being written): the rerun stores each record once,
-    with the states of the uninterrupted run, and vLLM's engine process does not outlive the killed run."""
-    vllm_states, labels = captured
-    die_at = [n for n, label in enumerate(labels, 1) if "process_chunk" in label][1]
-    recipe = make_recipe(tmp_path, SOURCES, generation=VLLM)
-    before = {p.pid for p in psutil.process_iter()}
-    code, err = run_killed(die_at, ["generate", recipe], EVENTS)
-    assert code == -signal.SIGKILL, err[-2000:]
-    left = [p for p in psutil.process_iter(["pid", "name"]) if p.pid not in before and "VLLM" in (p.name() or "")]
-    psutil.wait_procs(left, timeout=30)
-    assert not [p for p in left if p.is_running()], "vLLM's engine outlived the killed run"
-    out = tmp_path / "run" / "hidden_states"
-    assert list(out.glob(".vllm*"))  # the killed engine's spool, cleared by the rerun
-    code, err = run_cli(["generate", recipe], capsys)
-    assert code == 0, err
-    assert validate(out) == [] and not list(out.glob(".vllm*"))
+def test_kill_9_during_vllm_capture_ends_its_engine_and_the_rerun_stores_each_record_once(captured, vllm_states):
+    """vLLM's engine process does not outlive the killed run, whose spool the rerun clears; the rerun's states are
+    the transformers capture's (`test_vllm_states_equal_the_transformers_states_in_the_same_shards`)."""
+    assert captured.killed == -signal.SIGKILL, "the run ended before its second chunk"
+    assert not captured.outlived, "vLLM's engine outlived the killed run"
+    assert captured.spool and not list(vllm_states.glob(".vllm*"))
+    assert validate(vllm_states) == []
     for split in ("train", "held_out"):
-        pairs = list(zip(HiddenStateShards(out, split), HiddenStateShards(vllm_states, split), strict=True))
-        assert len({a["id"] for a, _ in pairs}) == len(pairs)
-        for a, b in pairs:
-            assert_same_states(a, b)
-    shutil.rmtree(out)
+        ids = [sample["id"] for sample in HiddenStateShards(vllm_states, split)]
+        assert ids and len(ids) == len(set(ids)), split
 
 
 def test_two_nodes_each_capture_with_an_engine_of_their_own(tmp_path, states):
