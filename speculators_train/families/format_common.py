@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from speculators_train.architectures import draft_layer_values
 from speculators_train.errors import UserError
 from speculators_train.families.vocab import checked_maps, kind
 from speculators_train.loading import load_tensors, pickled_files, reading, shown
@@ -39,6 +40,14 @@ MAX_LAYERS = 4_096  # target decoder layers: bounds the aux layer ids and target
 FILE_KEYS = ("transformers_version", "dtype", "torch_dtype", "_name_or_path", "architectures")
 
 _REQUIRED = object()  # `default` of a field without one
+
+
+def decoder_layers_like(config_class: type, target_config: Any, num_layers: int) -> dict[str, Any]:
+    """A `config_class` dict (LlamaConfig, Qwen3Config) of `num_layers` untied decoder layers shaped like the
+    target's (`draft_layer_values`: width, heads, MLP width, RoPE, whatever the target's own layers are), without the
+    keys that describe a saved file: the layers an EAGLE-3 or DFlash draft is built of."""
+    layer = config_class(**draft_layer_values(target_config), num_hidden_layers=num_layers, tie_word_embeddings=False)
+    return {k: v for k, v in layer.to_dict().items() if k not in FILE_KEYS}
 
 
 def bool_field(config: dict[str, Any], key: str, default: bool, name: str = "") -> bool:

@@ -32,7 +32,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
-from speculators_train.architectures import draft_layer_values, text_config
+from speculators_train.architectures import text_config
 from speculators_train.families.dflash.settings import MAX_BLOCK, MAX_DRAFT_LAYERS
 from speculators_train.families.draft_config import (
     Bounded,
@@ -45,7 +45,7 @@ from speculators_train.families.draft_config import (
     within,
 )
 from speculators_train.families.eagle.model import checked_config
-from speculators_train.families.format_common import FILE_KEYS, MAX_LAYERS, MAX_VOCAB
+from speculators_train.families.format_common import MAX_LAYERS, MAX_VOCAB, decoder_layers_like
 from speculators_train.families.vocab import first_ids
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -88,13 +88,8 @@ class DFlashConfig:
         """Qwen3 decoder layers shaped like the target's (hidden size, heads, MLP width, RoPE), as speculators builds
         a DFlash draft for any verifier."""
         text = text_config(target_config)
-        layer = Qwen3Config(
-            **draft_layer_values(target_config), num_hidden_layers=num_layers, tie_word_embeddings=False
-        ).to_dict()
-        for key in FILE_KEYS:
-            layer.pop(key, None)
         return cls(
-            layer,
+            decoder_layers_like(Qwen3Config, target_config, num_layers),
             text.hidden_size,
             draft_vocab_size,
             list(aux_layer_ids),

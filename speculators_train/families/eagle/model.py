@@ -37,7 +37,7 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
-from speculators_train.architectures import draft_layer_values, text_config
+from speculators_train.architectures import text_config
 from speculators_train.families.draft_config import (
     Bounded,
     Hidden,
@@ -49,7 +49,13 @@ from speculators_train.families.draft_config import (
     spelled,
     within,
 )
-from speculators_train.families.format_common import MAX_INTERMEDIATE, MAX_LAYERS, MAX_VOCAB, shown
+from speculators_train.families.format_common import (
+    MAX_INTERMEDIATE,
+    MAX_LAYERS,
+    MAX_VOCAB,
+    decoder_layers_like,
+    shown,
+)
 from speculators_train.families.vocab import first_ids
 from speculators_train.folders import config_problem
 
@@ -99,13 +105,8 @@ class Eagle3Config:
         """One Llama decoder layer shaped like the target's (hidden size, heads, MLP width, RoPE), whatever the
         target's own layers are: the layer vLLM, SGLang and llama.cpp build an EAGLE-3 draft of."""
         text = text_config(target_config)
-        layer = LlamaConfig(
-            **draft_layer_values(target_config), num_hidden_layers=1, tie_word_embeddings=False
-        ).to_dict()
-        for key in ("transformers_version", "dtype", "torch_dtype", "_name_or_path"):
-            layer.pop(key, None)
         return cls(
-            layer,
+            decoder_layers_like(LlamaConfig, target_config, 1),
             text.hidden_size,
             draft_vocab_size,
             list(aux_layer_ids),
