@@ -148,6 +148,17 @@ def _checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
     return {key: rename_source_key(key, renamings, converters, prefix, wanted)[0] for key in keys}
 
 
+def target_folder(cfg: TargetConfig) -> Path:
+    """The target's local folder: its own, or the hub snapshot of its configs and safetensors."""
+    source, _ = resolve_origin(cfg)
+    local = Path(source)
+    if not local.is_dir():
+        from huggingface_hub import snapshot_download
+
+        local = Path(snapshot_download(source, revision=cfg.revision, allow_patterns=["*.json", "*.safetensors"]))
+    return local
+
+
 def load_head_weights(cfg: TargetConfig):
     """The target's config, embedding, final norm and lm_head, read from its safetensors without building the
     model: a trainer needs these ~2% of an 8B target's weights, not all 16 GB. Tensors are found by the model's own
@@ -155,12 +166,7 @@ def load_head_weights(cfg: TargetConfig):
     transformers maps them when it loads the model."""
     from transformers import AutoConfig
 
-    source, _ = resolve_origin(cfg)
-    local = Path(source)
-    if not local.is_dir():
-        from huggingface_hub import snapshot_download
-
-        local = Path(snapshot_download(source, revision=cfg.revision, allow_patterns=["*.json", "*.safetensors"]))
+    local = target_folder(cfg)
     with reading(local / "config.json", "target config"):  # a config transformers cannot read, in one line
         config = AutoConfig.from_pretrained(local, trust_remote_code=cfg.trust_remote_code)
     model = meta_model(config, cfg.trust_remote_code)

@@ -135,6 +135,16 @@ SMALL = {settings.model_fields["family"].default: settings.small for settings in
 FIT_SETTINGS = {name: small.settings for name, small in SMALL.items()}
 
 
+def start_of(target_config, head: dict, freq, aux_layer_ids, name_or_path: str | None = None):
+    """What `new_draft` takes, for the target `name_or_path` names (the session target by default)."""
+    from speculators_train.families.base import DraftStart
+    from speculators_train.head import target_folder
+    from speculators_train.recipe import TargetConfig
+
+    cfg = TargetConfig() if name_or_path is None else TargetConfig(name_or_path=name_or_path)
+    return DraftStart(target_config, target_folder(cfg), head, freq, list(aux_layer_ids))
+
+
 _REPLIED: dict = {}
 
 
@@ -174,7 +184,8 @@ def fit(target, tmp: Path, family: str = "eagle3", **settings):
     head = {"embed": target.embed_tokens.weight, "lm_head": target.lm_head.weight, "norm": target.final_norm.weight}
     settings_ = fam.settings(**{**FIT_SETTINGS[family], **settings})
     torch.manual_seed(0)
-    draft = fam.new_draft(settings_, target.config, head, freq, target.aux_layer_ids).to(target.device)
+    start = start_of(target.config, head, freq, target.aux_layer_ids, target.name_or_path)
+    draft = fam.new_draft(settings_, start).to(target.device)
     mask = torch.zeros_like(full, dtype=torch.bool)
     mask[0, len(prompt) :] = True
     # hidden_states runs in inference mode; clones are ordinary tensors autograd may save

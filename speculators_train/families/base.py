@@ -42,6 +42,20 @@ STATE_LEVELS: tuple[TargetStates, ...] = ("none", "final", "aux+final")  # each 
 
 
 @dataclass(frozen=True)
+class DraftStart:
+    """What a fresh draft of any family is built from: the target's transformers config and its local folder (the
+    weights and tokenizer a draft that copies the target's own layers reads), its head weights (`load_head_weights`:
+    embed, norm, lm_head), token counts over the training data (a draft vocabulary's choice) and the aux states the
+    stored data holds (what a draft reading aux states reads)."""
+
+    target_config: Any
+    target_dir: Path
+    head: dict[str, torch.Tensor]
+    token_freq: torch.Tensor
+    aux_layer_ids: list[int]
+
+
+@dataclass(frozen=True)
 class SmallDraft:
     """A small draft of a family that a few seconds fit to one reply of a tiny target, as the test suite builds it
     for the engine tests and the pinned loss curves: its `settings` beside the section's defaults, and the fit's
@@ -161,16 +175,9 @@ class Family(ABC):
         return self.draft_type(config)
 
     @abstractmethod
-    def new_draft(
-        self,
-        settings: FamilySettings,
-        target_config: Any,
-        head: dict[str, torch.Tensor],
-        token_freq: torch.Tensor,
-        aux_layer_ids: list[int],
-    ) -> nn.Module:
-        """A fresh draft to train: vocabulary from `token_freq`, starting weights from the target's `head`
-        (embed / norm / lm_head), reading the stored aux states `aux_layer_ids` where it reads aux states."""
+    def new_draft(self, settings: FamilySettings, start: DraftStart) -> nn.Module:
+        """A fresh draft to train from `start`: its vocabulary from the token counts, its starting weights from the
+        target's head (or layers), reading the stored aux states where it reads aux states."""
 
     @abstractmethod
     def states(self, config: Any) -> StateSpec:

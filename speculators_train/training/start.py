@@ -8,11 +8,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from speculators_train.architectures import text_config
 from speculators_train.errors import UserError
-from speculators_train.families.base import Family
+from speculators_train.families.base import DraftStart, Family
 from speculators_train.families.drafts import check_fits, load_draft
 from speculators_train.files import atomic_write_bytes
 from speculators_train.recipe import Recipe
@@ -20,13 +18,12 @@ from speculators_train.recipe import Recipe
 log = logging.getLogger(__name__)
 
 
-def initial_draft(
-    recipe: Recipe, family: Family, target_config, weights: dict[str, torch.Tensor], freq, aux_layer_ids: list[int]
-):
+def initial_draft(recipe: Recipe, family: Family, start: DraftStart):
     """A fresh draft of the recipe's family, or the draft named by `training.init_from` (in any format the family
     reads) to fine-tune, with its own vocab and settings."""
     if not recipe.training.init_from:
-        return family.new_draft(recipe.draft, target_config, weights, freq, aux_layer_ids)
+        return family.new_draft(recipe.draft, start)
+    target_config, aux_layer_ids = start.target_config, start.aux_layer_ids
     path = recipe.resolve_path(recipe.training.init_from, "training.init_from", directory=True)
     text = text_config(target_config)
     loaded = load_draft(path, text.num_hidden_layers)
@@ -43,7 +40,7 @@ def initial_draft(
             f"{list(aux_layer_ids)}; set target.aux_layer_ids: {reads} and generate again"
         )
     # The target's embedding (frozen), as serving engines use it, even where the files carried one.
-    family.attach_target(loaded.draft, weights["embed"], False)
+    family.attach_target(loaded.draft, start.head["embed"], False)
     log.info("fine-tuning %s (from its own files and vocabulary)", loaded.path)
     return loaded.draft
 

@@ -23,10 +23,11 @@ from tqdm import tqdm
 from speculators_train import families
 from speculators_train.distributed import across_ranks
 from speculators_train.errors import UserError
+from speculators_train.families.base import DraftStart
 from speculators_train.families.drafts import load_weights
 from speculators_train.families.objective import Objective, Sums, predicted_al_key, summarize
 from speculators_train.files import append_line, atomic_write_json, to_json
-from speculators_train.head import TargetHead, load_head_weights
+from speculators_train.head import TargetHead, load_head_weights, target_folder
 from speculators_train.layout import BEST, METRICS, checkpoints_dir, latest_checkpoint, read_pointer, train_dir
 from speculators_train.loading import reading
 from speculators_train.recipe import Recipe
@@ -122,9 +123,10 @@ class Trainer:
         # The head is built first: its lm_head's initialisation draws from the seeded generator before the draft's
         # (then overwritten), so a seed keeps giving the same draft.
         head = TargetHead.from_weights(target_config, weights)
-        draft = initial_draft(
-            recipe, self.family, target_config, weights, self.batches.token_freq, self.batches.aux_layer_ids
+        start = DraftStart(
+            target_config, target_folder(recipe.target), weights, self.batches.token_freq, self.batches.aux_layer_ids
         )
+        draft = initial_draft(recipe, self.family, start)
         draft.gradient_checkpointing = self.cfg.gradient_checkpointing
         objective = self.family.objective(draft, head, recipe.draft)
         if self.cfg.select is not None:

@@ -17,7 +17,7 @@ from speculators_train.origin import resolve_origin
 from speculators_train.recipe import load_recipe
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.llamacpp_run import f32_gguf, first_divergence, record, settings
-from tests.conftest import SHAREGPT, make_recipe
+from tests.conftest import SHAREGPT, make_recipe, start_of
 
 
 def decoded(recipe, args: list[str], prompt: list[int], tmp_path: Path) -> tuple[Completion, Completion]:
@@ -121,7 +121,7 @@ def test_llamacpp_refuses_nothing_we_export_and_we_refuse_what_it_would_run_wron
     family = get("eagle3")
     head = {"embed": target.embed_tokens.weight, "lm_head": target.lm_head.weight, "norm": target.final_norm.weight}
     freq = torch.ones(target.vocab_size)
-    draft = family.new_draft(family.settings(draft_vocab_size=64), target.config, head, freq, [2, 27])
+    draft = family.new_draft(family.settings(draft_vocab_size=64), start_of(target.config, head, freq, [2, 27]))
     checkpoint = save_checkpoint(tmp_path / "ckpt", 1, draft, None, {"step": 1}, keep_last=1)
     recipe = load_recipe(make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]))
     with pytest.raises(UserError, match="exactly 3 target states"):
@@ -129,7 +129,7 @@ def test_llamacpp_refuses_nothing_we_export_and_we_refuse_what_it_would_run_wron
     assert not (tmp_path / "out").exists()
     # llama.cpp feeds the pre-norm output back whatever norm_output says: refused, for SGLang too.
     settings_ = family.settings(draft_vocab_size=64, norm_before_fc=True, norm_output=True)
-    draft = family.new_draft(settings_, target.config, head, freq, target.aux_layer_ids)
+    draft = family.new_draft(settings_, start_of(target.config, head, freq, target.aux_layer_ids))
     checkpoint = save_checkpoint(tmp_path / "ckpt31", 1, draft, None, {"step": 1}, keep_last=1)
     with pytest.raises(UserError, match=r"norm_output is true, but llama\.cpp ignores it"):
         export(recipe, checkpoint, "gguf", tmp_path / "out")

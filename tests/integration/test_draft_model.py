@@ -15,6 +15,7 @@ from speculators_train.recipe import TargetConfig
 from speculators_train.training.data import collate
 from speculators_train.verify.decoder import SpeculativeDecoder
 from speculators_train.verify.run import eos_ids
+from tests.conftest import start_of
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def head_weights():
 def new_draft(head_weights, **settings):
     family = get("draft_model")
     config, weights = head_weights
-    return family, family.new_draft(family.settings(**settings), config, weights, torch.zeros(1), [])
+    return family, family.new_draft(family.settings(**settings), start_of(config, weights, torch.zeros(1), []))
 
 
 def test_a_draft_that_is_the_whole_target_matches_its_distribution_at_every_position(target, head_weights, prompts):

@@ -19,7 +19,7 @@ from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.training.data import collate
 from speculators_train.verify.decoder import SpeculativeDecoder, TargetRunner, decode_plain
 from speculators_train.verify.run import eos_ids, load_draft_for
-from tests.conftest import SHAREGPT, chat, make_recipe
+from tests.conftest import SHAREGPT, chat, make_recipe, start_of
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def fresh(request, target, head_weights, samples):
     for sample in samples:
         freq += torch.bincount(sample["input_ids"][sample["loss_mask"]], minlength=target.vocab_size)
     torch.manual_seed(0)
-    return family, settings, family.new_draft(settings, config, weights, freq, target.aux_layer_ids)
+    return family, settings, family.new_draft(settings, start_of(config, weights, freq, target.aux_layer_ids))
 
 
 def test_a_family_is_registered_under_its_own_name(fresh):

@@ -15,7 +15,7 @@ from speculators_train.families import get
 from speculators_train.proposal import Sampling
 from speculators_train.verify.decoder import SpeculativeDecoder
 from speculators_train.verify.run import eos_ids, load_draft_for
-from tests.conftest import SHAREGPT, make_recipe
+from tests.conftest import SHAREGPT, make_recipe, start_of
 
 
 class Embedding(nn.Embedding):  # vLLM's VocabParallelEmbedding on one rank, without its process group
@@ -57,7 +57,7 @@ def test_vllms_own_classes_load_our_export_and_compute_our_stages(tmp_path, targ
         family = get("mlp")
         settings = family.settings(n_predict=3, inner_dim=128, tie_weights=False)
         head = {"lm_head": target.lm_head.weight}
-        draft = family.new_draft(settings, target.config, head, torch.zeros(1), [])
+        draft = family.new_draft(settings, start_of(target.config, head, torch.zeros(1), []))
         checkpoint = save_checkpoint(tmp_path / "untied", 1, draft, None, {"step": 1}, keep_last=1)
     out = export(recipe, checkpoint, "vllm", tmp_path / "vllm", "float32").path
     vl, loaded = vllm_speculator(out, monkeypatch)
@@ -104,7 +104,7 @@ def test_the_proposer_reads_the_pairs_training_scores(target, prompts, reference
     family = get("mlp")
     settings = family.settings(n_predict=2, inner_dim=64)
     torch.manual_seed(0)
-    draft = family.new_draft(settings, target.config, {"lm_head": target.lm_head.weight}, torch.zeros(1), [])
+    draft = family.new_draft(settings, start_of(target.config, {"lm_head": target.lm_head.weight}, torch.zeros(1), []))
     ids = torch.tensor([prompts[0] + references[0][:16]])
     mask = torch.zeros_like(ids, dtype=torch.bool)
     mask[0, len(prompts[0]) :] = True

@@ -16,7 +16,7 @@ from speculators_train.osd.scoring import Buffer, Scored, gate
 from speculators_train.recipe import load_recipe
 from speculators_train.target import StateSpec
 from speculators_train.training.checkpoint import save_checkpoint
-from tests.conftest import SHAREGPT, make_recipe
+from tests.conftest import SHAREGPT, make_recipe, start_of
 
 
 def test_gate_promotes_only_a_gain_on_logs_without_a_loss_on_the_general_suite():
@@ -64,7 +64,7 @@ def fresh_draft_on_logs(tmp_path, target, settings: dict, aux_layer_ids: list[in
     freq = torch.zeros(target.vocab_size, dtype=torch.int64)
     freq[:2048] = 1
     torch.manual_seed(0)
-    start = family.new_draft(family.settings(**settings), config, weights, freq, aux_layer_ids)
+    start = family.new_draft(family.settings(**settings), start_of(config, weights, freq, aux_layer_ids))
     init = save_checkpoint(tmp_path / "init", 1, start, None, {"step": 1}, keep_last=1)
     logs = tmp_path / "logs"
     logs.mkdir()

@@ -18,7 +18,7 @@ from speculators_train.cli import main
 from speculators_train.head import load_head_weights
 from speculators_train.recipe import TargetConfig
 from speculators_train.training.checkpoint import save_checkpoint
-from tests.conftest import SHAREGPT, make_recipe
+from tests.conftest import SHAREGPT, make_recipe, start_of
 from tests.faults import clean_error, run_cli
 
 
@@ -31,7 +31,7 @@ def run(tmp_path_factory) -> tuple[Path, Path]:
     family = families.get("eagle3")
     settings = family.settings(family="eagle3", draft_vocab_size=64)
     torch.manual_seed(0)
-    draft = family.new_draft(settings, config, head, torch.ones(config.vocab_size), [2, 15, 27])
+    draft = family.new_draft(settings, start_of(config, head, torch.ones(config.vocab_size), [2, 15, 27]))
     save_checkpoint(root / "run" / "train" / "checkpoints", 1, draft, None, {"step": 1}, keep_last=1)
     (root / "run" / "hidden_states").mkdir()
     (root / "run" / "hidden_states" / "manifest.json").write_text("{}")

@@ -5,6 +5,7 @@ as a plain model folder."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from speculators_train.architectures import model_class, text_config, text_decoder
 from speculators_train.errors import UserError
-from speculators_train.families.base import Family
+from speculators_train.families.base import DraftStart, Family
 from speculators_train.families.draft_model.model import DraftModelConfig, StandaloneDraft, checked_config, model_config
 from speculators_train.families.draft_model.objective import DraftModelObjective
 from speculators_train.families.draft_model.proposer import DraftModelProposer
@@ -25,11 +26,11 @@ from speculators_train.loading import describe, reading
 from speculators_train.target import NO_STATES, StateSpec, Target
 
 
-def starting_model(settings: Settings, target_config: Any) -> nn.Module:
+def starting_model(settings: Settings, start: DraftStart) -> nn.Module:
     """The LM a new draft copies: the target's text decoder cut to `settings.layers`, a random model of the
     target's text architecture (`fresh`), or the model `settings.start` names, whose tokenizer must be the target's
     (draft ids are verified as target ids). The first two are of the target's own model type and layer types."""
-    target_dir = target_config._name_or_path
+    target_config = start.target_config
     if settings.start == "fresh":
         config = copy.deepcopy(text_config(target_config))
         for key, value in settings.fresh_config.items():
@@ -41,11 +42,11 @@ def starting_model(settings: Settings, target_config: Any) -> nn.Module:
         config = cut_layers(text_config(target_config), pattern, config)
         return AutoModelForCausalLM.from_config(_causal(config), dtype=torch.float32)
     if settings.start == "target_layers":
-        return target_layers(target_config, settings.layers)
+        return target_layers(target_config, start.target_dir, settings.layers)
     check_model_folder(settings.start, "draft.start")
     with reading(settings.start, "draft.start"):
         mine = AutoTokenizer.from_pretrained(settings.start, trust_remote_code=False)
-        theirs = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=False)
+        theirs = AutoTokenizer.from_pretrained(start.target_dir, trust_remote_code=False)
         if mine.get_vocab() != theirs.get_vocab():
             raise UserError(f"draft.start {settings.start!r}: its tokenizer is not the target's")
         return AutoModelForCausalLM.from_pretrained(
@@ -84,15 +85,15 @@ def _causal(config: Any) -> Any:
     return config
 
 
-def target_layers(target_config: Any, keep: list[int]) -> nn.Module:
+def target_layers(target_config: Any, target_dir: Path, keep: list[int]) -> nn.Module:
     """A causal LM of the target's text architecture holding the target's layers `keep`, its embedding, final norm
-    and lm_head (from the target's safetensors, a multimodal wrapper's language model included)."""
+    and lm_head (from the safetensors in `target_dir`, a multimodal wrapper's language model included)."""
     text = text_config(target_config)
     if max(keep) >= text.num_hidden_layers:
         raise UserError(f"draft.layers {keep}: the target has {text.num_hidden_layers} layers")
     config = _causal(cut_layers(text, keep))
     source = model_class(target_config).from_pretrained(
-        target_config._name_or_path, config=target_config, dtype=torch.float32, use_safetensors=True
+        target_dir, config=target_config, dtype=torch.float32, use_safetensors=True
     )
     decoder = text_decoder(source)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -129,22 +130,15 @@ class DraftModelFamily(Family):
     def config_from_dict(self, saved: dict[str, Any]) -> DraftModelConfig:
         return checked_config(saved)
 
-    def new_draft(
-        self,
-        settings: Settings,
-        target_config: Any,
-        head: dict[str, torch.Tensor],
-        token_freq: torch.Tensor,
-        aux_layer_ids: list[int],
-    ) -> StandaloneDraft:
+    def new_draft(self, settings: Settings, start: DraftStart) -> StandaloneDraft:
         """A copy of the starting LM with its own (untied) output layer; the vocabulary is the target's whole one."""
-        start = starting_model(settings, target_config)
-        vocab = text_config(target_config).vocab_size
-        if start.config.vocab_size != vocab:
-            raise UserError(f"draft.start: {start.config.vocab_size} ids, the target has {vocab}")
-        draft = StandaloneDraft(DraftModelConfig(model_config(start.config), target_vocab_size=vocab))
-        state = start.state_dict()
-        state["lm_head.weight"] = start.get_output_embeddings().weight.detach().clone()
+        vocab = text_config(start.target_config).vocab_size
+        lm = starting_model(settings, start)
+        if lm.config.vocab_size != vocab:
+            raise UserError(f"draft.start: {lm.config.vocab_size} ids, the target has {vocab}")
+        draft = StandaloneDraft(DraftModelConfig(model_config(lm.config), target_vocab_size=vocab))
+        state = lm.state_dict()
+        state["lm_head.weight"] = lm.get_output_embeddings().weight.detach().clone()
         draft.lm.load_state_dict(state)
         return draft
 

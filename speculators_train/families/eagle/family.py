@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from speculators_train.families.base import Family, FamilySettings
+from speculators_train.families.base import DraftStart, Family, FamilySettings
 from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
 from speculators_train.head import head_norm_offset
@@ -25,17 +25,11 @@ class EagleFamily(Family):
     ) -> Eagle3Config:
         """The config of a fresh draft for this target."""
 
-    def new_draft(
-        self,
-        settings: FamilySettings,
-        target_config: Any,
-        head: dict[str, torch.Tensor],
-        token_freq: torch.Tensor,
-        aux_layer_ids: list[int],
-    ) -> Eagle3Draft:
+    def new_draft(self, settings: FamilySettings, start: DraftStart) -> Eagle3Draft:
         """Vocab from token counts; the embedding (frozen), lm_head rows and norm start from the target's."""
-        d2t, t2d = build_vocab_mapping(token_freq, min(settings.draft_vocab_size, token_freq.numel()))
-        draft = self.draft_type(self.draft_config(settings, target_config, aux_layer_ids, d2t.numel()))
+        freq, head, target_config = start.token_freq, start.head, start.target_config
+        d2t, t2d = build_vocab_mapping(freq, min(settings.draft_vocab_size, freq.numel()))
+        draft = self.draft_type(self.draft_config(settings, target_config, start.aux_layer_ids, d2t.numel()))
         with torch.no_grad():
             draft.embed_tokens.weight.copy_(head["embed"])
             draft.d2t.copy_(d2t)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from speculators_train.errors import UserError
-from speculators_train.families.base import Family
+from speculators_train.families.base import DraftStart, Family
 from speculators_train.families.medusa.model import MedusaConfig, MedusaDraft, checked_config
 from speculators_train.families.medusa.objective import MedusaObjective
 from speculators_train.families.medusa.proposer import MedusaProposer, measured_tree
@@ -47,18 +47,11 @@ class MedusaFamily(Family):
     def config_from_dict(self, saved: dict[str, Any]) -> MedusaConfig:
         return checked_config(saved)
 
-    def new_draft(
-        self,
-        settings: Settings,
-        target_config: Any,
-        head: dict[str, torch.Tensor],
-        token_freq: torch.Tensor,
-        aux_layer_ids: list[int],
-    ) -> MedusaDraft:
+    def new_draft(self, settings: Settings, start: DraftStart) -> MedusaDraft:
         """Blocks at zero, so each head starts as the target's lm_head rows of the draft vocabulary."""
-        d2t, t2d = build_vocab_mapping(token_freq, min(settings.draft_vocab_size, token_freq.numel()))
-        rows = head["lm_head"][draft_to_target(d2t)]
-        return MedusaDraft.for_target(target_config, rows, d2t, t2d, settings.num_heads, settings.num_layers)
+        d2t, t2d = build_vocab_mapping(start.token_freq, min(settings.draft_vocab_size, start.token_freq.numel()))
+        rows = start.head["lm_head"][draft_to_target(d2t)]
+        return MedusaDraft.for_target(start.target_config, rows, d2t, t2d, settings.num_heads, settings.num_layers)
 
     def states(self, config: MedusaConfig) -> StateSpec:
         return StateSpec(final=True)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from speculators_train.families.base import Family
+from speculators_train.families.base import DraftStart, Family
 from speculators_train.families.mlp.model import MLPConfig, MLPDraft, checked_config
 from speculators_train.families.mlp.objective import MLPObjective
 from speculators_train.families.mlp.proposer import MLPProposer
@@ -27,17 +27,10 @@ class MLPFamily(Family):
     def config_from_dict(self, saved: dict[str, Any]) -> MLPConfig:
         return checked_config(saved)
 
-    def new_draft(
-        self,
-        settings: Settings,
-        target_config: Any,
-        head: dict[str, torch.Tensor],
-        token_freq: torch.Tensor,
-        aux_layer_ids: list[int],
-    ) -> MLPDraft:
+    def new_draft(self, settings: Settings, start: DraftStart) -> MLPDraft:
         """Stages at the target's width start with the target's output layer as every head and as the token
         embedding (a stage then begins as the target's own next-token guess); narrower ones start at random."""
-        text = target_config.get_text_config()
+        text = start.target_config.get_text_config()
         config = checked_config(
             {
                 "emb_dim": text.hidden_size,
@@ -57,7 +50,7 @@ class MLPFamily(Family):
                 elif isinstance(module, torch.nn.Embedding):
                     torch.nn.init.normal_(module.weight, std=config.inner_dim**-0.5)
             if config.inner_dim == config.emb_dim:
-                rows = head["lm_head"].to(torch.float32)
+                rows = start.head["lm_head"].to(torch.float32)
                 for stage in draft.head:
                     stage.weight.copy_(rows)
                 for emb in draft.emb:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from speculators_train.errors import UserError
+from speculators_train.families.base import DraftStart
 from speculators_train.families.eagle.family import EagleFamily
 from speculators_train.families.eagle.model import Eagle3Config
 from speculators_train.families.peagle.model import PEagleConfig, PEagleDraft, checked_peagle_config
@@ -46,17 +47,10 @@ class PEagleFamily(EagleFamily):
             raise UserError(f"draft.mask_token_id {mask_id}: the target has {base.target_vocab_size} ids")
         return PEagleConfig(**base.to_dict(), mask_token_id=mask_id, depths=settings.depths)
 
-    def new_draft(
-        self,
-        settings: Settings,
-        target_config: Any,
-        head: dict[str, torch.Tensor],
-        token_freq: torch.Tensor,
-        aux_layer_ids: list[int],
-    ) -> PEagleDraft:
+    def new_draft(self, settings: Settings, start: DraftStart) -> PEagleDraft:
         """EAGLE-3's start (vocab from counts; lm_head rows, norm and embedding from the target), the mask row
         starting as the mask id's own embedding, mask_hidden random as speculators starts it."""
-        draft = super().new_draft(settings, target_config, head, token_freq, aux_layer_ids)
+        draft = super().new_draft(settings, start)
         with torch.no_grad():
             draft.mask_embedding.copy_(draft.embed_tokens.weight[draft.config.mask_token_id])
         return draft
