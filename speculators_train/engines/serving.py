@@ -321,7 +321,6 @@ def leading_string(path: Path, key: str) -> str | None:
     except (struct.error, ValueError):  # UnicodeDecodeError is a ValueError
         return None
     return None
-    return None
 
 
 def serving(engine: str, target: Any, target_config: Any, settings: Any) -> Serving:
