@@ -159,14 +159,15 @@ def target_folder(cfg: TargetConfig) -> Path:
     return local
 
 
-def load_head_weights(cfg: TargetConfig):
+def load_head_weights(cfg: TargetConfig, local: Path | None = None):
     """The target's config, embedding, final norm and lm_head, read from its safetensors without building the
     model: a trainer needs these ~2% of an 8B target's weights, not all 16 GB. Tensors are found by the model's own
     module names (through a multimodal wrapper to its text decoder), mapped to the checkpoint's names as
-    transformers maps them when it loads the model."""
+    transformers maps them when it loads the model. `local`: the target's folder, when already found
+    (`target_folder`)."""
     from transformers import AutoConfig
 
-    local = target_folder(cfg)
+    local = local or target_folder(cfg)
     with reading(local / "config.json", "target config"):  # a config transformers cannot read, in one line
         config = AutoConfig.from_pretrained(local, trust_remote_code=cfg.trust_remote_code)
     model = meta_model(config, cfg.trust_remote_code)

@@ -156,7 +156,7 @@ def replied(target) -> tuple:
     from speculators_train.data.chat import Chat
     from speculators_train.verify.suites import chat_ids
 
-    key = (target.config._name_or_path, tuple(target.aux_layer_ids), target.dtype, target.device)
+    key = (target.name_or_path, tuple(target.aux_layer_ids), target.dtype, target.device)
     if key not in _REPLIED:
         prompt = chat_ids(Chat(target.tokenizer), PROMPT)
         with torch.no_grad():

@@ -70,9 +70,9 @@ class Trainer:
         # In this order: the seeds are set before the source orders the data and before the head and the draft draw
         # their starting weights, so a seed keeps giving the same run.
         self._set_up_accelerator(strategy)
-        target_config, weights = self._set_up_data()
+        start = self._set_up_data()
         self._set_up_state()
-        objective = self._set_up_draft(target_config, weights)
+        objective = self._set_up_draft(start)
         self._set_up_optimizer(objective)
         self._set_up_resume()
 
@@ -87,9 +87,10 @@ class Trainer:
         torch.manual_seed(self.recipe.seed)
         random.seed(self.recipe.seed)
 
-    def _set_up_data(self) -> tuple[Any, dict[str, torch.Tensor]]:
-        """The batch stream (stored shards, or the target captured in the loop), and the target's config and head
-        weights the draft starts from; refuses a run with nothing held out on any rank."""
+    def _set_up_data(self) -> DraftStart:
+        """The batch stream (stored shards, or the target captured in the loop), and what a fresh draft starts from
+        (the target's config, folder and head weights, the data's token counts); refuses a run with nothing held out
+        on any rank."""
         recipe = self.recipe
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         if recipe.generation.hidden_states == "offline":
@@ -97,11 +98,12 @@ class Trainer:
         else:
             fewest = partial(across_ranks, self.accelerator, op="min")
             self.batches = CapturedBatches(recipe, load_target(recipe.target), world, rank, fewest)
-        target_config, weights = load_head_weights(recipe.target)
+        folder = target_folder(recipe.target)
+        target_config, weights = load_head_weights(recipe.target, folder)
         mine = len(self.batches.held_out)
         held_out = int(self.accelerator.reduce(torch.tensor(mine, device=self.accelerator.device), "sum"))
         self.strategy.check_held_out(held_out, lambda: across_ranks(self.accelerator, mine, "min"))
-        return target_config, weights
+        return DraftStart(target_config, folder, weights, self.batches.token_freq, self.batches.aux_layer_ids)
 
     def _set_up_state(self) -> None:
         """The state a checkpoint carries, fresh, with the settings a resumed run must share (`identity`)."""
@@ -116,16 +118,13 @@ class Trainer:
             "identity": self.identity,
         }
 
-    def _set_up_draft(self, target_config: Any, weights: dict[str, torch.Tensor]) -> Objective:
+    def _set_up_draft(self, start: DraftStart) -> Objective:
         """The draft (fresh or `init_from`) with the frozen target head as one objective, the samples it trains on
         (`training.select`), and what validation predicts with it."""
         recipe = self.recipe
         # The head is built first: its lm_head's initialisation draws from the seeded generator before the draft's
         # (then overwritten), so a seed keeps giving the same draft.
-        head = TargetHead.from_weights(target_config, weights)
-        start = DraftStart(
-            target_config, target_folder(recipe.target), weights, self.batches.token_freq, self.batches.aux_layer_ids
-        )
+        head = TargetHead.from_weights(start.target_config, start.head)
         draft = initial_draft(recipe, self.family, start)
         draft.gradient_checkpointing = self.cfg.gradient_checkpointing
         objective = self.family.objective(draft, head, recipe.draft)
