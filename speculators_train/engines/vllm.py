@@ -11,12 +11,15 @@ steps that carried a draft), draft tokens, accepted tokens and accepted tokens p
 process's metrics before and after, so several engines in one process never mix their counts.
 
 vLLM starts its engine core in a worker process with `spawn`: an `Engine` must be built inside a function or under
-`if __name__ == "__main__":`, never when a module is imported.
+`if __name__ == "__main__":`, never when a module is imported. `in_process=True` runs the engine core in this process
+instead (vLLM's `VLLM_ENABLE_V1_MULTIPROCESSING=0`): the same model code and scheduler, without the two spawned
+processes that each import vLLM, so it starts in seconds; a kill of this process then takes the engine with it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import glob
 import logging
 import os
@@ -163,6 +166,14 @@ def _environment(kv_cache_gib: int, threads: int | None, openmp: bool, overrides
         os.environ.update(saved)
 
 
+def _read_environment_afresh() -> None:
+    """An engine core started in this process makes vLLM cache every variable it reads (`enable_envs_cache`), so a
+    later engine here would start with the first one's KV cache size, threads and process mode: clear that cache."""
+    from vllm import envs
+
+    envs.disable_envs_cache()
+
+
 class Engine:
     """One vLLM engine on the target folder `model`, speculative when `speculative_config` is given."""
 
@@ -180,10 +191,12 @@ class Engine:
         enforce_eager: bool = True,
         gpu_memory_utilization: float | None = None,
         environment: dict[str, str | None] | None = None,
+        in_process: bool = False,
         **options: Any,
     ) -> None:
         """`options`: further `vllm.LLM` arguments (a KV-transfer connector, tensor_parallel_size, ...);
-        `environment`: variables set (None: removed) while the engine starts."""
+        `environment`: variables set (None: removed) while the engine starts; `in_process`: the engine core runs
+        in this process (see the module's docstring)."""
         require()
         self.model = model
         self.speculative_config = speculative_config
@@ -201,7 +214,9 @@ class Engine:
         if gpu_memory_utilization is not None:  # a GPU shared with a transformers copy of the target
             self.kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.kwargs.update(options)
-        self.env = (kv_cache_gib, threads, intel_openmp, environment or {})
+        self.in_process = in_process
+        overrides = {**(environment or {}), **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {})}
+        self.env = (kv_cache_gib, threads, intel_openmp, overrides)
         self.llm: Any = None
         self._reaper: contextlib.AbstractContextManager | None = None
         self.start_seconds = 0.0
@@ -233,6 +248,7 @@ class Engine:
         def build() -> None:
             try:
                 with _environment(*self.env):
+                    _read_environment_afresh()
                     built["llm"] = LLM(**self.kwargs)
             except BaseException as exc:  # handed to the waiting thread, which raises it there
                 built["error"] = exc
@@ -259,6 +275,8 @@ class Engine:
         with contextlib.suppress(Exception):
             llm.llm_engine.engine_core.shutdown()
         del llm
+        if self.in_process:  # its engine core froze this process's heap (vLLM's `freeze_gc_heap`) at start
+            gc.unfreeze()
         if self._reaper is not None:
             self._reaper.__exit__(None, None, None)
             self._reaper = None

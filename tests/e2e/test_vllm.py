@@ -1,6 +1,8 @@
 """vLLM as a real engine: every family vLLM serves is loaded by vLLM's own code from the files `export` writes, and
-decodes with the target's own greedy output, accepting drafts. One engine start per family, eager, a small KV cache;
-the target-only reference is decoded once for the module."""
+decodes with the target's own greedy output, accepting drafts. One engine start per family, eager, a small KV cache,
+its engine core in this process (`in_process`: seconds to start instead of two spawned processes importing vLLM; the
+spawned engine and its clean-up are proved by tests/e2e/test_signals.py and test_vllm_capture.py); the target-only
+reference is decoded once for the module."""
 
 import json
 import re
@@ -15,7 +17,7 @@ from speculators_train.families import FAMILIES, get, settings_types
 from speculators_train.families.drafts import load_draft
 from speculators_train.recipe import load_recipe
 from speculators_train.verify.vllm_run import NGRAM, record, settings
-from tests.conftest import SHAREGPT, make_recipe
+from tests.conftest import REPO, SHAREGPT, make_recipe
 
 MAX_NEW = 48
 
@@ -141,6 +143,40 @@ def test_medusa_export_writes_full_vocabulary_heads_and_reads_back_the_trained_d
     assert load_medusa(out, cfg).config.draft_vocab_size == 12
 
 
+def test_an_engine_started_in_this_process_leaves_the_next_one_its_own_settings(monkeypatch):
+    """vLLM's in-process engine core caches every variable it reads and freezes the heap: the next engine must still
+    start with its own process mode and KV cache size, and the frozen objects must be collectable again."""
+    import gc
+
+    import vllm
+    from vllm import envs
+
+    from speculators_train.engines.vllm import Engine
+
+    seen = []
+
+    def fake_llm(**kwargs):
+        seen.append((envs.VLLM_ENABLE_V1_MULTIPROCESSING, envs.VLLM_CPU_KVCACHE_SPACE))
+        if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:  # what vLLM's engine core does when it starts here
+            envs.enable_envs_cache()
+            gc.freeze()
+        return SimpleNamespace()
+
+    monkeypatch.setattr(vllm, "LLM", fake_llm)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    try:
+        with Engine(REPO, kv_cache_gib=1, in_process=True):
+            pass
+        assert gc.get_freeze_count() == 0
+        with Engine(REPO, kv_cache_gib=2):
+            pass
+    finally:
+        envs.disable_envs_cache()
+        gc.unfreeze()
+    assert seen == [(False, 1), (True, 2)]
+
+
 # --- the real engine -------------------------------------------------------------------------------------------
 
 
@@ -156,7 +192,7 @@ def reference(target, tmp_path_factory):
 
     prompt = chat_ids(Chat(target.tokenizer), PROMPT)
     hf_dir = resolve_origin(TargetConfig())[0]
-    with Engine(hf_dir) as engine:
+    with Engine(hf_dir, in_process=True) as engine:
         out = engine.generate([prompt], MAX_NEW, 0.0, 1.0, [0])
     return hf_dir, prompt, out.completions[0].tokens
 
@@ -224,15 +260,16 @@ def test_vllm_serves_each_family_from_the_printed_command_with_the_targets_outpu
         assert (parsed.draft_vocab_size, parsed.norm_before_residual) == (512, False)
         if family == "peagle":
             assert parsed.architectures == ["PeagleLlamaForCausalLM"] and parsed.pard_token == 16
-    with Engine(hf_dir, spec) as engine:
+    with Engine(hf_dir, spec, in_process=True) as engine:
         decoded = engine.generate([prompt], MAX_NEW, 0.0, 1.0, [0])
     assert decoded.completions[0].tokens == alone
     assert decoded.counts.drafts > 0 and decoded.counts.accepted > 0, decoded.counts
 
 
-def test_vllm_regeneration_answers_each_turn_as_vllm_answers_the_prompt_alone(target, reference):
+def test_vllm_regeneration_answers_each_turn_as_vllm_answers_the_prompt_alone(target, reference, monkeypatch):
     """`data.regenerate.engine: vllm`: the reply to a turn is what vLLM answers that rendered prompt alone, and a
     later turn is answered after the regenerated earlier one."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, as in the module
     from speculators_train.data.chat import Chat
     from speculators_train.data.config import RegenerateConfig
     from speculators_train.data.conversations import Conversation
@@ -286,7 +323,7 @@ def test_vllm_serves_the_printed_eagle3_line_on_each_architecture_class(tmp_path
         capsys, ["export", str(recipe), "--checkpoint", str(checkpoint), "--out", str(out), "--dtype", "float32"]
     )
     assert load_draft(out, target.num_layers).family.name == "eagle3"
-    with Engine(str(folder), spec) as engine:
+    with Engine(str(folder), spec, in_process=True) as engine:
         decoded = engine.generate([prompt], len(reply), 0.0, 1.0, [0])
     assert decoded.completions[0].tokens == reply
     assert decoded.counts.drafts > 0 and decoded.counts.accepted > 0, decoded.counts
