@@ -13,9 +13,9 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb, repea
 
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
+from speculators_train.families import get
 from speculators_train.families.dflash.model import DFlashConfig, DFlashDraft
 from speculators_train.families.dflash.objective import block_loss, dpace_weights, sample_anchors
-from speculators_train.families.dflash.proposer import DFlashProposer
 from speculators_train.families.vocab import build_vocab_mapping
 from speculators_train.head import TargetHead
 from speculators_train.proposal import TreeSpec
@@ -147,7 +147,7 @@ def test_one_proposer_forward_drafts_what_training_scores_at_the_same_anchor(tar
     anchors = torch.tensor([[length - 20, length - 14, length - 13]])
     with torch.no_grad():
         trained = draft.training_forward(torch.tensor([ids], device=aux.device), aux, anchors.to(aux.device))
-    proposer = DFlashProposer(draft)
+    proposer = get("dflash").proposer(draft, target)
     proposer.reset(ids[0])
     done = 0
     for i, anchor in enumerate(anchors[0].tolist()):  # a prefill, then commits of 6 and 1 tokens
@@ -194,7 +194,7 @@ def test_position_weights_decay_or_follow_dpace_and_the_loss_is_their_mean(targe
 
 def test_sampled_dflash_proposals_come_from_the_distributions_they_report(target, draft, conversation):
     ids, aux, _ = conversation
-    proposer = DFlashProposer(draft)
+    proposer = get("dflash").proposer(draft, target)
     proposer.reset(ids[0])
     proposer.extend(ids[1:30], aux[0, :29])
     check_parallel_sampling(proposer, draft, target.vocab_size, draws=1500)
@@ -204,7 +204,7 @@ def test_sampled_dflash_proposals_come_from_the_distributions_they_report(target
 def test_greedy_dflash_output_is_the_targets_own(target, draft, tree):
     prompt = chat(target, "Write a Python function that reverses a string.")
     reference = decode_plain(target, prompt, 32, eos_ids(target), GREEDY).tokens
-    decoder = SpeculativeDecoder(target, DFlashProposer(draft), GREEDY, 5, tree=tree)
+    decoder = SpeculativeDecoder(target, get("dflash").proposer(draft, target), GREEDY, 5, tree=tree)
     assert decoder.generate(prompt, 32, eos_ids(target)).tokens == reference
 
 

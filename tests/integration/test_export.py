@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
+from speculators_train.families import get
 from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.eagle3.proposer import Eagle3Proposer
 from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
@@ -124,7 +125,7 @@ class Recording(Eagle3Proposer):
     """Keeps every chain the draft proposes, so two drafts can be compared step by step."""
 
     def __init__(self, draft) -> None:
-        super().__init__(draft)
+        super().__init__(draft, get("eagle3").states(draft.config))
         self.chains: list[list[int]] = []
 
     def propose_chain(self, k, sampling, generator):

@@ -11,8 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
+from speculators_train.families import get
 from speculators_train.families.medusa.model import MedusaDraft
-from speculators_train.families.medusa.proposer import MedusaProposer, measured_tree
+from speculators_train.families.medusa.proposer import measured_tree
 from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
 from speculators_train.proposal import Sampling, TreeSpec
 from speculators_train.recipe import load_recipe
@@ -64,7 +65,7 @@ def test_greedy_medusa_output_is_the_targets_own(target, prompts, references, he
     tree = TREES[shape]
     accepted = []
     for prompt, reference in zip(prompts, references, strict=True):
-        proposer = MedusaProposer(heads, target.final_norm)
+        proposer = get("medusa").proposer(heads, target)
         result = SpeculativeDecoder(target, proposer, GREEDY, HEADS, tree).generate(prompt, 40, eos_ids(target))
         assert result.tokens == reference
         accepted += result.accepted
@@ -105,7 +106,7 @@ def test_heads_get_the_final_state_of_every_accepted_position(target, prompts, r
 def test_medusa_proposer_drafts_from_the_last_state_after_the_final_norm(target, prompts, heads):
     ids = prompts[1]
     final = full_final_states(target, ids)
-    proposer = MedusaProposer(heads, target.final_norm)
+    proposer = get("medusa").proposer(heads, target)
     proposer.extend(ids[1:], final[:-1])
     with torch.no_grad():
         expected = heads(target.final_norm(final[-2]))  # the state at the position before the pending token
@@ -121,7 +122,7 @@ def test_sampled_medusa_proposals_come_from_the_distributions_they_report(target
     zero outside the draft vocabulary. 3000 draws of the first two heads are within 4x sampling noise of q. Drafting
     the argmax instead (the default, as engines do) reports no q: each draft is a point mass."""
     ids = prompts[0]
-    proposer = MedusaProposer(heads, target.final_norm)
+    proposer = get("medusa").proposer(heads, target)
     proposer.extend(ids[1:], full_final_states(target, ids)[:-1])
     g = torch.Generator().manual_seed(0)
     assert proposer.propose_chain(2, Sampling(0.8), g) == (proposer.propose_chain(2, GREEDY, None)[0], None)
@@ -190,7 +191,7 @@ def test_medusa_export_is_the_vllm_medusa_format_and_reloads_to_the_same_proposa
     assert loaded.path == result.path and isinstance(imported, MedusaDraft) and loaded.family.name == "medusa"
     runs = []
     for draft in (heads, imported):
-        proposer = MedusaProposer(draft, target.final_norm)
+        proposer = get("medusa").proposer(draft, target)
         runs.append(SpeculativeDecoder(target, proposer, GREEDY, HEADS).generate(prompts[0], 30, eos_ids(target)))
     assert runs[0].tokens == runs[1].tokens and runs[0].accepted == runs[1].accepted
 

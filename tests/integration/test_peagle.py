@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
+from speculators_train.families import get
 from speculators_train.families.eagle.model import DraftCache, Eagle3Config
 from speculators_train.families.peagle.model import PEagleConfig, PEagleDraft, sample_chains
 from speculators_train.families.peagle.objective import parallel_loss
-from speculators_train.families.peagle.proposer import PEagleProposer
 from speculators_train.families.vocab import build_vocab_mapping
 from speculators_train.head import TargetHead
 from speculators_train.proposal import TreeSpec
@@ -149,7 +149,7 @@ def test_one_proposer_forward_drafts_what_training_scores_at_the_same_anchor(tar
     chains = sample_chains(torch.ones(1, length, dtype=torch.bool), 8, 0.7, 0.2, everything=True)
     with torch.no_grad():
         trained = draft.parallel_forward(tokens, states, torch.arange(1, length + 1)[None], chains)
-    proposer = PEagleProposer(draft)
+    proposer = get("peagle").proposer(draft, target)
     done = 0
     for upto in (length - 20, length - 14, length - 13):  # a prefill, then commits of 6 and 1 pairs
         proposer.extend(ids[done + 1 : upto + 1], states[0, done:upto])
@@ -189,7 +189,7 @@ def test_the_loss_is_the_mean_over_every_scored_element_of_every_depth(target, d
 
 def test_sampled_peagle_proposals_come_from_the_distributions_they_report(target, draft, conversation):
     ids, aux = conversation
-    proposer = PEagleProposer(draft)
+    proposer = get("peagle").proposer(draft, target)
     proposer.extend(ids[1:30], aux[0, :29])
     check_parallel_sampling(proposer, draft, target.vocab_size, draws=2000)
 
@@ -198,7 +198,7 @@ def test_sampled_peagle_proposals_come_from_the_distributions_they_report(target
 def test_greedy_peagle_output_is_the_targets_own(target, draft, tree):
     prompt = chat(target, "Write a Python function that reverses a string.")
     reference = decode_plain(target, prompt, 32, eos_ids(target), GREEDY).tokens
-    decoder = SpeculativeDecoder(target, PEagleProposer(draft), GREEDY, 5, tree=tree)
+    decoder = SpeculativeDecoder(target, get("peagle").proposer(draft, target), GREEDY, 5, tree=tree)
     assert decoder.generate(prompt, 32, eos_ids(target)).tokens == reference
 
 

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from transformers import LlamaConfig
 
 from speculators_train.errors import UserError
+from speculators_train.families import get
 from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.eagle3.proposer import Eagle3Proposer
 from speculators_train.packed import available, packed_linears
@@ -44,7 +45,7 @@ def test_greedy_speculative_output_is_the_targets_own(target, prompts, reference
     eos = eos_ids(target)
     for prompt, reference in zip(prompts, references, strict=True):
         if kind == "random":
-            proposer = Eagle3Proposer(random_draft)
+            proposer = get("eagle3").proposer(random_draft, target)
         else:
             proposer = (OracleProposer if kind == "oracle" else NoisyOracle)(prompt + reference)
         result = SpeculativeDecoder(target, proposer, GREEDY, 5, tree).generate(prompt, 40, eos)
@@ -79,14 +80,14 @@ def test_draft_cache_rolled_back_and_extended_matches_a_fresh_prefill(target, ra
     aux, _ = target.hidden_states(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
     aux = aux[0]
     n = len(prompts[0])
-    incremental = Eagle3Proposer(random_draft)
+    incremental = get("eagle3").proposer(random_draft, target)
     incremental.extend(ids[1:n], aux[: n - 1])
     incremental.propose_chain(4, GREEDY, None)
     incremental.propose_tree(TreeSpec(top_k=3, depth=3, budget=8))
     incremental.extend(ids[n : n + 3], aux[n - 1 : n + 2])
     incremental.propose_chain(2, GREEDY, None)
     incremental.extend(ids[n + 3 :], aux[n + 2 : len(ids) - 1])
-    fresh = Eagle3Proposer(random_draft)
+    fresh = get("eagle3").proposer(random_draft, target)
     fresh.extend(ids[1:], aux[:-1])
     assert incremental.committed == fresh.committed == len(ids) - 1
     torch.testing.assert_close(incremental.logits, fresh.logits, rtol=1e-4, atol=1e-4)
@@ -99,7 +100,7 @@ class FirstTokens(Eagle3Proposer):
     states at once after full acceptance."""
 
     def __init__(self, draft, reference: list[int]) -> None:
-        super().__init__(draft)
+        super().__init__(draft, get("eagle3").states(draft.config))
         self.reference = reference
         self.first: list[tuple[int, int]] = []
 
@@ -154,11 +155,11 @@ def test_tree_nodes_see_only_their_ancestors(target, random_draft, prompts):
     attention, or a wrong RoPE position per depth, would change the deeper tokens)."""
     ids = prompts[1]
     aux, _ = target.hidden_states(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
-    chain_proposer = Eagle3Proposer(random_draft)
+    chain_proposer = get("eagle3").proposer(random_draft, target)
     chain_proposer.extend(ids[1:], aux[0, :-1])
     chain, _ = chain_proposer.propose_chain(4, GREEDY, None)
     for spec in (TreeSpec(top_k=1, depth=4, budget=4), TreeSpec(top_k=4, depth=4, budget=40)):
-        tree_proposer = Eagle3Proposer(random_draft)
+        tree_proposer = get("eagle3").proposer(random_draft, target)
         tree_proposer.extend(ids[1:], aux[0, :-1])
         tree = tree_proposer.propose_tree(spec)
         node, path = -1, []
@@ -326,7 +327,7 @@ def test_a_speculators_format_eagle3_made_elsewhere_loads_and_drafts_the_same(tm
     imported = load_draft_for(target, tmp_path).draft
     ids = prompts[0]
     aux, _ = target.hidden_states(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
-    mine, theirs = Eagle3Proposer(random_draft), Eagle3Proposer(imported)
+    mine, theirs = get("eagle3").proposer(random_draft, target), get("eagle3").proposer(imported, target)
     mine.extend(ids[1:], aux[0, :-1])
     theirs.extend(ids[1:], aux[0, :-1])
     torch.testing.assert_close(theirs.logits, mine.logits)
@@ -431,7 +432,7 @@ def test_warm_up_runs_both_sides_with_the_decoders_sampling(target, random_draft
     plain = run.decode_plain
     monkeypatch.setattr(run, "decode_plain", lambda t, ids, n, eos, s, g: seen.append(s) or plain(t, ids, n, eos, s, g))
     sampling = Sampling(1.0, 0.9)
-    decoder = SpeculativeDecoder(target, Eagle3Proposer(random_draft), sampling, 2)
+    decoder = SpeculativeDecoder(target, get("eagle3").proposer(random_draft, target), sampling, 2)
     suite = Suite(SuiteConfig(name="warm"), REPO, [Prompt("0", prompts[0], [])], SkipReport())
     run.warm_up(target, decoder, suite)
     assert seen == [sampling]

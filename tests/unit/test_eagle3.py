@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from speculators_train.families import get
 from speculators_train.families.eagle.align import align
 from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.eagle.speculators import clean_layer_config, speculators_config
@@ -299,7 +300,7 @@ def test_sglang_export_carries_ids_each_engine_reads_as_the_trained_ones(tmp_pat
 def test_chain_drafts_the_argmax_at_any_temperature_unless_asked_to_sample():
     """vLLM and SGLang draft the argmax at T > 0 too; sampled drafts must report the q they were drawn from."""
     draft = tiny_draft()
-    proposer = Eagle3Proposer(draft)
+    proposer = Eagle3Proposer(draft, get("eagle3").states(draft.config))
     torch.manual_seed(1)
     proposer.extend(torch.randint(0, V, (6,)).tolist(), torch.randn(6, AUX * H).double())
     greedy, _ = proposer.propose_chain(4, Sampling(), None)

@@ -69,7 +69,7 @@ class DFlashFamily(EagleFamily):
         return DFlashObjective(draft, head, min(depth or slots, slots), weighting, settings.max_anchors, kind)
 
     def proposer(self, draft: DFlashDraft, target: Target) -> DFlashProposer:
-        return DFlashProposer(draft)
+        return DFlashProposer(draft, self.states(draft.config))
 
     def max_draft_tokens(self, draft: DFlashDraft) -> int:
         return draft.config.block_size - 1

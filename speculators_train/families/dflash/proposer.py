@@ -18,8 +18,8 @@ class DFlashProposer:
     target has not computed yet), at the position after the last state. A block of k + 1 slots proposes k tokens:
     vLLM sizes the block by the draft tokens asked, not by the block size trained."""
 
-    def __init__(self, draft: DFlashDraft) -> None:
-        self.states = StateSpec(tuple(draft.config.aux_layer_ids))
+    def __init__(self, draft: DFlashDraft, states: StateSpec) -> None:
+        self.states = states
         self.draft = draft.eval()
         self.device = next(draft.parameters()).device
         self.targets = draft_to_target(draft.d2t.to(self.device))

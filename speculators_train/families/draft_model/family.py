@@ -159,7 +159,7 @@ class DraftModelFamily(Family):
         return DraftModelObjective(draft, head, divergence or settings.loss)
 
     def proposer(self, draft: StandaloneDraft, target: Target) -> DraftModelProposer:
-        return DraftModelProposer(draft)
+        return DraftModelProposer(draft, self.states(draft.config))
 
     def card_rows(self, draft: StandaloneDraft, fmt: str, k: int) -> list[tuple[str, str]]:
         cfg = draft.config.lm_config

@@ -8,16 +8,15 @@ from transformers import DynamicCache
 
 from speculators_train.families.draft_model.model import StandaloneDraft
 from speculators_train.proposal import DraftTree, GrowingTree, Sampling, TreeSpec
-from speculators_train.target import NO_STATES
+from speculators_train.target import StateSpec
 
 
 class DraftModelProposer:
     """Reads tokens only: after `extend`, its logits at the last committed token (the pending one) give the first
     draft token."""
 
-    states = NO_STATES
-
-    def __init__(self, draft: StandaloneDraft) -> None:
+    def __init__(self, draft: StandaloneDraft, states: StateSpec) -> None:
+        self.states = states
         self.draft = draft.eval()
         self.device = next(draft.parameters()).device
         self.reset(None)

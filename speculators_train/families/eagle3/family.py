@@ -52,7 +52,7 @@ class Eagle3Family(EagleFamily):
         )
 
     def proposer(self, draft: Eagle3Draft, target: Target) -> Eagle3Proposer:
-        return Eagle3Proposer(draft)
+        return Eagle3Proposer(draft, self.states(draft.config))
 
     def card_rows(self, draft: Eagle3Draft, fmt: str, k: int) -> list[tuple[str, str]]:
         cfg = draft.config

@@ -22,8 +22,8 @@ class Eagle3Proposer:
     """The EAGLE-3 draft with its own KV cache. Positions follow training: the pair (x_{j+1}, g_j) sits at
     RoPE position j+1, and the i-th speculative step after it at j+1+i."""
 
-    def __init__(self, draft: Eagle3Draft) -> None:
-        self.states = StateSpec(tuple(draft.config.aux_layer_ids))
+    def __init__(self, draft: Eagle3Draft, states: StateSpec) -> None:
+        self.states = states
         self.draft = draft.eval()
         self.device = next(draft.parameters()).device
         self.targets = draft_to_target(draft.d2t.to(self.device))  # target id of each draft id

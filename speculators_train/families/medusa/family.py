@@ -72,7 +72,7 @@ class MedusaFamily(Family):
         return MedusaObjective(draft, head, settings.head_decay, hard, divergence or "ce")
 
     def proposer(self, draft: MedusaDraft, target: Target) -> MedusaProposer:
-        return MedusaProposer(draft, target.final_norm)
+        return MedusaProposer(draft, target.final_norm, self.states(draft.config))
 
     def max_draft_tokens(self, draft: MedusaDraft) -> int:
         return draft.config.num_heads

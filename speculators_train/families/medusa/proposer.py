@@ -18,9 +18,8 @@ class MedusaProposer:
     position gives the target's next token (the pending one) through lm_head, and head h the token h+1 after it.
     No cache: the heads read one state and never see their own proposals."""
 
-    states = StateSpec(final=True)
-
-    def __init__(self, draft: MedusaDraft, final_norm: nn.Module) -> None:
+    def __init__(self, draft: MedusaDraft, final_norm: nn.Module, states: StateSpec) -> None:
+        self.states = states
         self.draft = draft.eval()
         self.final_norm = final_norm
         self.device = next(draft.parameters()).device

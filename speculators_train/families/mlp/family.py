@@ -75,7 +75,7 @@ class MLPFamily(Family):
         return MLPObjective(draft, head, settings.stage_decay, divergence or settings.loss)
 
     def proposer(self, draft: MLPDraft, target: Target) -> MLPProposer:
-        return MLPProposer(draft, target.final_norm)
+        return MLPProposer(draft, target.final_norm, self.states(draft.config))
 
     def max_draft_tokens(self, draft: MLPDraft) -> int:
         return draft.config.n_predict

@@ -14,9 +14,8 @@ class MLPProposer:
     """Reads the target's post-norm state at the last committed position and the token committed after it (the
     pending one); no cache: a proposal starts from those two alone."""
 
-    states = StateSpec(final=True)
-
-    def __init__(self, draft: MLPDraft, final_norm: nn.Module) -> None:
+    def __init__(self, draft: MLPDraft, final_norm: nn.Module, states: StateSpec) -> None:
+        self.states = states
         self.draft = draft.eval()
         self.final_norm = final_norm
         self.device = next(draft.parameters()).device

@@ -69,7 +69,7 @@ class PEagleFamily(EagleFamily):
         return PEagleObjective(draft, head, depths, ratios, divergence or settings.loss)
 
     def proposer(self, draft: PEagleDraft, target: Target) -> PEagleProposer:
-        return PEagleProposer(draft)
+        return PEagleProposer(draft, self.states(draft.config))
 
     def max_draft_tokens(self, draft: PEagleDraft) -> int:
         return draft.config.depths

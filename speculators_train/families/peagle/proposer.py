@@ -18,8 +18,8 @@ class PEagleProposer:
     position j+1, mask slot d after the last pair at j+1+d). `extend` only queues the pairs: the next proposal
     feeds them and its mask slots in the same forward, then drops the mask slots' keys."""
 
-    def __init__(self, draft: PEagleDraft) -> None:
-        self.states = StateSpec(tuple(draft.config.aux_layer_ids))
+    def __init__(self, draft: PEagleDraft, states: StateSpec) -> None:
+        self.states = states
         self.draft = draft.eval()
         self.device = next(draft.parameters()).device
         self.targets = draft_to_target(draft.d2t.to(self.device))
