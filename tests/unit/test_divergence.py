@@ -82,3 +82,25 @@ def test_minimising_pulls_the_draft_to_the_target(kind):
     assert (q - p).abs().sum(-1).max() < 0.1
     with pytest.raises(ValueError, match="unknown divergence 'kl'"):
         divergence(p, q.log(), "kl")
+
+
+# speculators' name for each of ours (`speculators.losses.eager`, the reference the LK paper's authors point to);
+# theirs take logits for both sides, ours the target's probabilities and the draft's log-probabilities.
+SPECULATORS_LOSSES = {
+    "forward_kl": "kl_div_loss",
+    "reverse_kl": "reverse_kl_div_loss",
+    "jsd": "js_div_loss",
+    "tvd": "tv_loss",
+    "lk": "neg_log_acceptance_loss",
+    "lk_hybrid": "lk_hybrid_loss",
+}
+
+
+@pytest.mark.parametrize("kind", list(SPECULATORS_LOSSES))
+def test_each_divergence_is_the_speculators_librarys_own(kind):
+    eager = pytest.importorskip("speculators.losses.eager")
+    gen = torch.Generator().manual_seed(0)
+    draft, target = torch.randn(1, 7, 50, generator=gen) * 3, torch.randn(1, 7, 50, generator=gen) * 3
+    theirs = getattr(eager, SPECULATORS_LOSSES[kind])(draft, target)
+    ours = divergence(torch.softmax(target, -1), torch.log_softmax(draft, -1), kind)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
