@@ -190,6 +190,14 @@ def load_checked(
     return module
 
 
+def identity_vocab_maps(draft: nn.Module) -> tuple[str, ...]:
+    """The vocabulary maps a speculators-format file leaves out: d2t and t2d where the draft's vocabulary is the
+    target's whole one in the target's order (the identity), since vLLM's EAGLE-3, P-EAGLE and DFlash models then
+    hold no `draft_id_to_target_id` and refuse a file that ships one; none otherwise. Our readers restore them."""
+    cfg = draft.config
+    return ("d2t", "t2d") if cfg.draft_vocab_size == cfg.target_vocab_size and not draft.d2t.any() else ()
+
+
 def export_tensors(
     draft: nn.Module, dtype: str, rename=lambda name: name, skip: tuple[str, ...] = ()
 ) -> dict[str, torch.Tensor]:

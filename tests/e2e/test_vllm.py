@@ -266,6 +266,34 @@ def test_vllm_serves_each_family_from_the_printed_command_with_the_targets_outpu
     assert decoded.counts.drafts > 0 and decoded.counts.accepted > 0, decoded.counts
 
 
+def test_vllm_serves_an_eagle3_draft_over_the_targets_whole_vocabulary(target, reference, tmp_path, capsys):
+    """What only this proves: vLLM loads an EAGLE-3 export whose vocabulary is the target's whole one (its model
+    then holds no d2t, and a file shipping one fails to load) and decodes the target's own greedy output. Random
+    weights from the target's head: the output is the point, not the acceptance."""
+    from speculators_train.engines.vllm import Engine
+    from speculators_train.head import load_head_weights
+    from speculators_train.recipe import TargetConfig
+    from speculators_train.training.checkpoint import save_checkpoint
+    from tests.conftest import start_of
+
+    hf_dir, prompt, alone = reference
+    family = get("eagle3")
+    settings = family.settings(family="eagle3", ttt_steps=1, draft_vocab_size=target.vocab_size)
+    config, weights = load_head_weights(TargetConfig())
+    freq = torch.ones(target.vocab_size, dtype=torch.int64)
+    torch.manual_seed(0)
+    draft = family.new_draft(settings, start_of(config, weights, freq, target.aux_layer_ids))
+    checkpoint = save_checkpoint(tmp_path / "ckpt", 1, draft, None, {"step": 1}, keep_last=1)
+    recipe = make_recipe(tmp_path, [{"name": "s", "path": SHAREGPT, "max_records": 8}])
+    out = tmp_path / "export"
+    argv = ["export", str(recipe), "--checkpoint", str(checkpoint), "--out", str(out), "--dtype", "float32"]
+    spec = printed_speculative_config(capsys, argv)
+    with Engine(hf_dir, spec, in_process=True) as engine:
+        decoded = engine.generate([prompt], MAX_NEW, 0.0, 1.0, [0])
+    assert decoded.completions[0].tokens == alone
+    assert decoded.counts.drafts > 0
+
+
 def test_vllm_regeneration_answers_each_turn_as_vllm_answers_the_prompt_alone(target, reference, monkeypatch):
     """`data.regenerate.engine: vllm`: the reply to a turn is what vLLM answers that rendered prompt alone, and a
     later turn is answered after the regenerated earlier one."""

@@ -4,6 +4,7 @@ target's own greedy output in the verify loop, and each export format it writes 
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from speculators_train import families
 from speculators_train.data.splits import load_splits
@@ -167,6 +168,31 @@ def test_every_export_format_reads_back_to_the_same_draft(tmp_path, target, fres
         theirs = draft_state_dict(loaded.draft)
         for key, tensor in draft_state_dict(draft).items():
             assert torch.equal(theirs[key], tensor), f"{name}: {key}"
+
+
+FULL_VOCABULARY = [f for f in families.FAMILIES if "draft_vocab_size" in families.get(f).settings.model_fields]
+
+
+@pytest.mark.parametrize("name", FULL_VOCABULARY)
+def test_a_full_vocabulary_export_ships_no_vocabulary_map_and_reads_back(tmp_path, target, head_weights, name):
+    """vLLM's EAGLE-3, P-EAGLE and DFlash models hold no d2t at the target's whole vocabulary and refuse a file that
+    ships one (tests/e2e/test_vllm.py serves one): the speculators format leaves the identity maps out, and our
+    reader puts them back."""
+    family = families.get(name)
+    settings = family.settings(family=name, **{**family.settings.small.settings, "draft_vocab_size": target.vocab_size})
+    config, weights = head_weights
+    freq = torch.ones(target.vocab_size, dtype=torch.int64)
+    draft = family.new_draft(settings, start_of(config, weights, freq, target.aux_layer_ids))
+    assert not draft.d2t.any()
+    recipe = load_recipe(
+        make_recipe(tmp_path, [{"name": "s", "path": SHAREGPT, "max_records": 8}], draft={"family": name})
+    )
+    checkpoint = save_checkpoint(tmp_path / "ckpt", 1, draft, None, {"step": 1}, keep_last=1)
+    out = export(recipe, checkpoint, "speculators", tmp_path / "out", "float32").path
+    assert not {"d2t", "t2d"} & set(load_file(out / "model.safetensors"))
+    theirs = draft_state_dict(load_draft(out, target.num_layers).draft)
+    for key, tensor in draft_state_dict(draft).items():
+        assert torch.equal(theirs[key], tensor), key
 
 
 def check_parallel_sampling(proposer, draft, vocab_size: int, draws: int) -> None:

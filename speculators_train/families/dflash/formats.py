@@ -33,6 +33,7 @@ from speculators_train.families.format_common import (
     SPECULATORS_VERSION,
     dict_field,
     export_tensors,
+    identity_vocab_maps,
     load_checked,
     proposal_config,
     read_weights,
@@ -128,7 +129,7 @@ class DFlashFormat(ExportFormat):
     def write(
         self, draft: DFlashDraft, dtype: str, verifier: str, architectures: list[str], k: int
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        tensors = export_tensors(draft, dtype, skip=("embed_tokens.weight",))
+        tensors = export_tensors(draft, dtype, skip=("embed_tokens.weight", *identity_vocab_maps(draft)))
         return dflash_config(draft.config, verifier, architectures, k, dtype), tensors
 
     def vllm_speculative_config(self, out: Path, k: int) -> dict[str, Any]:

@@ -53,6 +53,7 @@ from speculators_train.families.eagle3.settings import SGLANG_LACKS
 from speculators_train.families.format_common import (
     dict_field,
     export_tensors,
+    identity_vocab_maps,
     read_weights,
     sglang_serve,
     shell_arg,
@@ -162,7 +163,8 @@ class SpeculatorsFormat(ExportFormat):
     def write(
         self, draft: Eagle3Draft, dtype: str, verifier: str, architectures: list[str], k: int
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        return speculators_config(draft.config, verifier, architectures, k, dtype), export_tensors(draft, dtype)
+        tensors = export_tensors(draft, dtype, skip=identity_vocab_maps(draft))
+        return speculators_config(draft.config, verifier, architectures, k, dtype), tensors
 
     def vllm_speculative_config(self, out: Path, k: int) -> dict[str, Any]:
         return {"model": str(out), "method": "eagle3", "num_speculative_tokens": k}

@@ -24,6 +24,7 @@ from speculators_train.families.base import ExportFormat
 from speculators_train.families.eagle.speculators import load_eagle3, speculators_config, speculators_fields
 from speculators_train.families.format_common import (
     export_tensors,
+    identity_vocab_maps,
     proposal_config,
     read_weights,
     shell_arg,
@@ -48,7 +49,7 @@ def peagle_config(config: PEagleConfig, verifier: str, architectures: list[str],
 
 
 def peagle_tensors(draft: PEagleDraft, dtype: str) -> dict[str, torch.Tensor]:
-    tensors = export_tensors(draft, dtype, skip=("mask_embedding",))
+    tensors = export_tensors(draft, dtype, skip=("mask_embedding", *identity_vocab_maps(draft)))
     tensors["embed_tokens.weight"] = draft.embedding_table().to(tensors["fc.weight"].dtype).contiguous()
     return tensors
 
