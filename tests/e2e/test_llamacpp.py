@@ -140,12 +140,27 @@ def test_llamacpp_refuses_nothing_we_export_and_we_refuse_what_it_would_run_wron
 
 
 @pytest.mark.timeout(3600)  # the first run on a machine builds llama.cpp (10-20 minutes on 2 cores)
-def test_llamacpp_with_our_draft_gives_its_own_target_only_output_on_an_unquantized_target(tmp_path, target, fitted):
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+def test_llamacpp_with_our_draft_gives_its_own_target_only_output_on_an_unquantized_target(
+    tmp_path, target, fitted, family
+):
     """Built once from source (cached); on the F32 target llama.cpp's greedy output must not change with the
-    draft, and the draft fitted to this reply must be accepted."""
-    recipe, checkpoint, prompt, _ = fitted()
+    draft, and the draft fitted to this reply must be accepted. DFlash: llama.cpp's converter reads our
+    speculators files as its DSpark without a Markov head (`families/dflash/gguf.py`)."""
+    recipe, checkpoint, prompt, _ = fitted(family)
+    fmt = get(family).formats["gguf"]
     out = export(recipe, checkpoint, "gguf", tmp_path / "gguf", dtype="float32").path
-    reference, drafted = decoded(recipe, draft_args(out / "draft.gguf", "draft-eagle3", 3), prompt, tmp_path)
+    if family == "dflash":  # the converter's reading of our aux ids, block and mask token (SPEC.md section 10)
+        from gguf import GGUFReader
+
+        fields, cfg = GGUFReader(out / fmt.draft_file).fields, load_draft(out, target.num_layers).draft.config
+        assert fields["general.architecture"].contents() == fmt.draft_architecture
+        assert fields["dflash.target_layers"].contents() == list(cfg.aux_layer_ids) == target.aux_layer_ids
+        assert fields["dflash.block_size"].contents() == cfg.block_size
+        assert fields["tokenizer.ggml.mask_token_id"].contents() == cfg.mask_token_id
+        assert not fields["dflash.sample_from_anchor"].contents()
+    args = draft_args(out / fmt.draft_file, fmt.llamacpp_spec_type, 3)
+    reference, drafted = decoded(recipe, args, prompt, tmp_path)
     assert drafted.tokens == reference.tokens
     assert drafted.steps > 0 and drafted.accepted > 0, drafted
 

@@ -83,7 +83,7 @@ class DFlashFamily(EagleFamily):
             ("draft vocabulary", f"{cfg.draft_vocab_size} of {cfg.target_vocab_size} target ids"),
             ("speculative tokens", f"{k}, from one draft forward"),
             ("mask token id", f"{cfg.mask_token_id} (the target's embedding row of it)"),
-            ("engines", "vLLM (`method: dflash`); this export is not a GGUF for llama.cpp's DFlash runtime"),
+            ("engines", "vLLM (`method: dflash`); llama.cpp (`--spec-type draft-dflash`) from `export --format gguf`"),
         ]
 
 

@@ -39,7 +39,7 @@ class Settings(FamilySettings):
     max_anchors: int = Field(512, gt=0, description="Blocks trained per sample, drawn from its assistant tokens.")
     loss: Divergence = Field("ce", description="ce (soft cross-entropy, DFlash's) or another divergence.")
 
-    formats: ClassVar[dict[str, str]] = {"speculators": "formats:DFlashFormat"}
+    formats: ClassVar[dict[str, str]] = {"speculators": "formats:DFlashFormat", "gguf": "gguf:GGUFFormat"}
     own_attention: ClassVar[bool] = True  # Llama/Qwen3 decoder layers of its own
 
     def recipe_problems(self, recipe: Any) -> list[str]:
@@ -50,11 +50,5 @@ class Settings(FamilySettings):
             problems.append(
                 f"draft.position_weight 'dpace' reads the draft's confidence from its cross-entropy; with draft.loss "
                 f"{self.loss!r} use position_weight 'exp_decay' or loss 'ce'"
-            )
-        if recipe.eval.engine == "llama.cpp":
-            problems.append(
-                "eval.engine 'llama.cpp': this toolkit exports DFlash drafts in the speculators layout only, which "
-                "llama-server does not load (its DFlash runtime reads a GGUF made by its own converter); verify "
-                "with 'native' or 'vllm'"
             )
         return problems
