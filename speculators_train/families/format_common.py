@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from speculators_train.architectures import draft_layer_values
+from speculators_train.engines.llamacpp.server import serve_command
 from speculators_train.errors import UserError
 from speculators_train.families.vocab import checked_maps, kind
 from speculators_train.loading import load_tensors, pickled_files, reading, shown
@@ -188,6 +189,23 @@ def load_checked(
         module = build()
     module.load_state_dict(weights, strict=False)
     return module
+
+
+class GGUFDraft:
+    """What a `gguf` format adds to the format it extends (listed first among its bases): llama.cpp's `draft.gguf`
+    beside that format's files. The directory's config.json stays that format's, which reads it back; the printed
+    command serves the GGUF next to the target's own file. The conversion (`finish`), the GGUF's architecture and
+    llama-server's spec type are each family's."""
+
+    name = "gguf"
+    draft_file = "draft.gguf"
+    llamacpp_spec_type: str | None
+
+    def detect(self, config: dict[str, Any]) -> bool:
+        return False
+
+    def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
+        return [serve_command(verifier, out / self.draft_file, self.llamacpp_spec_type, k)]
 
 
 def identity_vocab_maps(draft: nn.Module) -> tuple[str, ...]:

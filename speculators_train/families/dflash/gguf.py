@@ -21,11 +21,10 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from speculators_train.engines.llamacpp.converter import OUTTYPES, convert
-from speculators_train.engines.llamacpp.server import serve_command
 from speculators_train.families.dflash.formats import DFlashFormat
+from speculators_train.families.format_common import GGUFDraft
 
 # What llama.cpp's converter needs to read this draft as the DFlash case of its DSpark class.
 AS_DSPARK = {
@@ -38,15 +37,10 @@ AS_DSPARK = {
 }
 
 
-class GGUFFormat(DFlashFormat):
-    name = "gguf"
+class GGUFFormat(GGUFDraft, DFlashFormat):
     engines = "llama.cpp (`llama-server --spec-type draft-dflash`)"
-    draft_file = "draft.gguf"
     draft_architecture = "dflash"
     llamacpp_spec_type = "draft-dflash"
-
-    def detect(self, config: dict[str, Any]) -> bool:
-        return False  # the directory's config.json is the speculators one, read back as that format
 
     def finish(self, out: Path, target_dir: Path, dtype: str) -> None:
         config = json.loads((out / "config.json").read_text())
@@ -56,6 +50,3 @@ class GGUFFormat(DFlashFormat):
             (source / "config.json").write_text(json.dumps({**config, **AS_DSPARK}, indent=2))
             os.link(out / "model.safetensors", source / "model.safetensors")
             convert(source, out / self.draft_file, OUTTYPES[dtype], target_dir=target_dir)
-
-    def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
-        return [serve_command(verifier, out / self.draft_file, self.llamacpp_spec_type, k)]

@@ -19,10 +19,11 @@ import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from speculators_train.engines.llamacpp.converter import OUTTYPES, convert
-from speculators_train.engines.llamacpp.server import PLAIN_LM, serve_command
+from speculators_train.engines.llamacpp.server import PLAIN_LM
 from speculators_train.families.base import ExportFormat
 from speculators_train.families.draft_model.model import StandaloneDraft, checked_config, lm_values
 from speculators_train.families.format_common import (
+    GGUFDraft,
     export_tensors,
     load_checked,
     read_weights,
@@ -84,21 +85,13 @@ class ModelFolderFormat(ExportFormat):
         return [vllm_serve(verifier, self.vllm_speculative_config(out, k)), sglang]
 
 
-class GGUFFormat(ModelFolderFormat):
-    name = "gguf"
+class GGUFFormat(GGUFDraft, ModelFolderFormat):
     engines = "llama.cpp (`llama-server -md draft.gguf`)"
-    draft_file = "draft.gguf"
     draft_architecture = "llama"
     llamacpp_spec_type = PLAIN_LM
-
-    def detect(self, config: dict[str, Any]) -> bool:
-        return False  # the directory's config.json is the model folder's, read back as that format
 
     def finish(self, out: Path, target_dir: Path, dtype: str) -> None:
         convert(out, out / self.draft_file, OUTTYPES[dtype])
 
     def vllm_speculative_config(self, out: Path, k: int) -> dict[str, Any] | None:
         return None  # vLLM serves the folder itself: export --format hf
-
-    def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
-        return [serve_command(verifier, out / self.draft_file, self.llamacpp_spec_type, k)]

@@ -17,23 +17,17 @@ What llama.cpp does with it (SPEC.md section 10), and why the writer refuses som
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from speculators_train.engines.llamacpp.converter import OUTTYPES, convert
-from speculators_train.engines.llamacpp.server import serve_command
 from speculators_train.families.eagle.model import Eagle3Draft
 from speculators_train.families.eagle3.formats import SpeculatorsFormat
+from speculators_train.families.format_common import GGUFDraft
 
 
-class GGUFFormat(SpeculatorsFormat):
-    name = "gguf"
+class GGUFFormat(GGUFDraft, SpeculatorsFormat):
     engines = "llama.cpp (`llama-server --spec-type draft-eagle3`)"
-    draft_file = "draft.gguf"
     draft_architecture = "eagle3"
     llamacpp_spec_type = "draft-eagle3"
-
-    def detect(self, config: dict[str, Any]) -> bool:
-        return False  # the directory's config.json is the speculators one, read back as that format
 
     def unsupported(self, draft: Eagle3Draft) -> list[str]:
         ids = draft.config.aux_layer_ids
@@ -50,6 +44,3 @@ class GGUFFormat(SpeculatorsFormat):
 
     def finish(self, out: Path, target_dir: Path, dtype: str) -> None:
         convert(out, out / self.draft_file, OUTTYPES[dtype], target_dir=target_dir)
-
-    def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
-        return [serve_command(verifier, out / self.draft_file, self.llamacpp_spec_type, k)]
