@@ -216,6 +216,13 @@ def identity_vocab_maps(draft: nn.Module) -> tuple[str, ...]:
     return ("d2t", "t2d") if cfg.draft_vocab_size == cfg.target_vocab_size and not draft.d2t.any() else ()
 
 
+def with_identity_vocab_maps(weights: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """A file's weights with the identity d2t a full-vocabulary draft may leave out (`identity_vocab_maps`)."""
+    if "d2t" not in weights and config.draft_vocab_size == config.target_vocab_size:
+        return {**weights, "d2t": torch.zeros(config.draft_vocab_size, dtype=torch.int64)}
+    return weights
+
+
 def export_tensors(
     draft: nn.Module, dtype: str, rename=lambda name: name, skip: tuple[str, ...] = ()
 ) -> dict[str, torch.Tensor]:

@@ -39,6 +39,7 @@ from speculators_train.families.format_common import (
     read_weights,
     shell_arg,
     vllm_serve,
+    with_identity_vocab_maps,
 )
 from speculators_train.loading import reading
 
@@ -110,8 +111,7 @@ def load_dflash(path: Path, config: dict[str, Any], target_num_layers: int) -> t
         keys = {"layer_config": "transformer_layer_config", "aux_layer_ids": "aux_hidden_state_layer_ids"}
         cfg = checked_dflash_config(values, keys)
     weights, source = read_weights(path)
-    if "d2t" not in weights and cfg.draft_vocab_size == cfg.target_vocab_size:  # a full vocabulary: the identity
-        weights = {**weights, "d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)}
+    weights = with_identity_vocab_maps(weights, cfg)
     draft = load_checked(lambda: DFlashDraft(cfg), weights, source, config_file, optional=("embed_tokens.weight",))
     return draft, "embed_tokens.weight" in weights
 

@@ -19,6 +19,7 @@ from speculators_train.families.format_common import (
     dict_field,
     load_checked,
     proposal_config,
+    with_identity_vocab_maps,
 )
 
 # LlamaConfig.to_dict() keys that describe a saved file rather than the layer.
@@ -106,8 +107,7 @@ def load_eagle3(
     """The draft (`draft_type`, an Eagle3Draft or a draft extending it) holding `weights` (names in our = the
     speculators format; `spell` gives the file's) once they fit `config`, and whether they carried `embed_tokens`.
     A full-vocabulary draft may ship no d2t: its map is the identity."""
-    if "d2t" not in weights and config.draft_vocab_size == config.target_vocab_size:
-        weights = {**weights, "d2t": torch.zeros(config.draft_vocab_size, dtype=torch.int64)}
+    weights = with_identity_vocab_maps(weights, config)
     draft = load_checked(
         lambda: draft_type(config), weights, source, config_file, optional=("embed_tokens.weight",), spell=spell
     )
