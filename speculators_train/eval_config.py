@@ -43,9 +43,6 @@ class LlamaCppConfig(Section):
         min_length=1,
         description="K values run with the draft (one server each).",
     )
-    draft_p_min: float = Field(
-        0.0, ge=0, lt=1, description="llama.cpp stops a draft at the first token below this probability (0: never)."
-    )
     baselines: list[Literal["ngram-simple", "ngram-cache", "ngram-mod"]] = Field(
         default_factory=lambda: ["ngram-simple", "ngram-cache", "ngram-mod"],
         description="llama.cpp's draftless methods run on the same prompts, with their defaults.",
@@ -108,6 +105,14 @@ class EvalConfig(Section):
         "argmax",
         description="How a chain drafts at temperature > 0: argmax, as vLLM and SGLang do (so AL at T > 0 here "
         "predicts theirs), or sample from the draft's softmax(logits / T); the output is the target's either way.",
+    )
+    draft_p_min: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Stop a chain at the first draft token predicted below this (0: never): llama.cpp's "
+        "--spec-draft-p-min (the draft's own probability, or its confidence head where it has one); this loop: "
+        "drafts with a confidence head.",
     )
     num_prompts: int | None = Field(None, gt=0, description="Override every suite's prompt count.")
     max_new_tokens: int | None = Field(None, gt=0, description="Override every suite's generation length.")

@@ -26,6 +26,9 @@ class Sampling:
     # At T > 0 a chain drafts the argmax (as vLLM and SGLang do; verified with q = a point mass) or samples each
     # draft token from softmax(logits / T). Both are exact under the rejection rule.
     draft_sampling: Literal["argmax", "sample"] = "argmax"
+    # A chain stops before the first draft token whose predicted acceptance is below this (0: never); read by drafts
+    # that predict it (a confidence head), as llama.cpp's --spec-draft-p-min.
+    p_min: float = 0.0
 
     @property
     def greedy(self) -> bool:

@@ -17,6 +17,7 @@ FAMILIES = (
     "peagle",  # P-EAGLE: an EAGLE-3-shaped draft proposing every draft token in one forward
     "mlp",  # the MLP speculator: stages over the target's last state, each fed the token drafted before it
     "dflash",  # DFlash: a block of draft tokens from one forward over [anchor, masks], target states as context
+    "dspark",  # DSpark: DFlash with every slot proposing, a Markov head on the token before, a confidence head
     "draft_model",  # a standalone small causal LM with the target's tokenizer (last: its format is a plain folder)
 )
 

@@ -84,6 +84,7 @@ class FamilySettings(Section):
     # Whether the draft has attention layers of its own kind (a Llama or Qwen3 layer beside any target), not the
     # target's architecture nor none: an engine must then run two kinds of attention over one KV cache.
     own_attention: ClassVar[bool] = False
+    predicts_acceptance: ClassVar[bool] = False  # its proposer stops a chain at eval.draft_p_min (a confidence head)
     small: ClassVar[SmallDraft]  # its small draft for tests
 
     def recipe_problems(self, recipe: Any) -> list[str]:

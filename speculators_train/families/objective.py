@@ -78,11 +78,12 @@ def global_counts(counts: torch.Tensor) -> torch.Tensor:
 
 
 class Objective(nn.Module):
-    """Draft + frozen target head; subclasses set `steps` (rows of per-step metrics) and `metric_names` (the
-    per-step metrics `forward` returns, besides `vocab_coverage`)."""
+    """Draft + frozen target head; subclasses set `steps` (rows of per-step metrics), `metric_names` (the
+    per-step metrics `forward` returns) and `totals` (its metrics over all steps)."""
 
     steps: int
     metric_names: tuple[str, ...]
+    totals: tuple[str, ...] = ("vocab_coverage",)
 
     def __init__(self, draft: nn.Module, head: nn.Module) -> None:
         super().__init__()
@@ -98,4 +99,4 @@ class Objective(nn.Module):
     @property
     def metric_keys(self) -> list[str]:
         """Every key `forward` returns: each rank sums all of them, in this order, even with no batch of its own."""
-        return [key(name, i) for name in self.metric_names for i in range(self.steps)] + ["vocab_coverage"]
+        return [key(name, i) for name in self.metric_names for i in range(self.steps)] + list(self.totals)

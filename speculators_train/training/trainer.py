@@ -360,7 +360,8 @@ class Trainer:
             self._state_measured = True
         if state["step"] % cfg.log_every_steps == 0 or state["step"] == self.total_steps:
             summary = summarize(self._sum(window.sums), self.chain_length)
-            record.update({f"train/{k}": v for k, v in summary.items() if "acc" in k or k == "vocab_coverage"})
+            shown = ("vocab_", "confidence_")  # totals over the steps: coverage, a confidence head's fit
+            record.update({f"train/{k}": v for k, v in summary.items() if "acc" in k or k.startswith(shown)})
             window.sums = {}
         self._log(record)
         self._bar.update(1)

@@ -149,7 +149,7 @@ def settings(
     if export_format is not None and export_dir is not None:
         draft = export_dir / export_format.draft_file
         out += [
-            ("draft", k, draft_args(draft, export_format.llamacpp_spec_type, k, cfg.draft_p_min))
+            ("draft", k, draft_args(draft, export_format.llamacpp_spec_type, k, recipe.eval.draft_p_min))
             for k in cfg.speculative_tokens
         ]
     out += [(name, None, ["--spec-type", name]) for name in cfg.baselines]

@@ -192,7 +192,7 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
         for suite in suites:
             max_new = ev.max_new_tokens or suite.config.max_new_tokens
             for temperature in ev.temperatures:
-                sampling = Sampling(temperature, ev.top_p, ev.draft_sampling)
+                sampling = Sampling(temperature, ev.top_p, ev.draft_sampling, ev.draft_p_min)
                 proposer = loaded.family.proposer(loaded.draft, target)
                 decoder = SpeculativeDecoder(target, proposer, sampling, k, tree)
                 warm_up(target, decoder, suite)

@@ -68,7 +68,7 @@ def test_each_setting_passes_the_flags_llamacpp_needs(tmp_path):
         make_recipe(
             tmp_path,
             [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}],
-            eval={"llama_cpp": {"speculative_tokens": [3], "draft_p_min": 0.2, "baselines": ["ngram-mod"]}},
+            eval={"draft_p_min": 0.2, "llama_cpp": {"speculative_tokens": [3], "baselines": ["ngram-mod"]}},
         )
     )
     (draft, k, args), (ngram, none, ngram_args) = settings(recipe, get("eagle3").formats["gguf"], tmp_path)
@@ -140,26 +140,30 @@ def test_llamacpp_refuses_nothing_we_export_and_we_refuse_what_it_would_run_wron
 
 
 @pytest.mark.timeout(3600)  # the first run on a machine builds llama.cpp (10-20 minutes on 2 cores)
-@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])
 def test_llamacpp_with_our_draft_gives_its_own_target_only_output_on_an_unquantized_target(
     tmp_path, target, fitted, family
 ):
     """Built once from source (cached); on the F32 target llama.cpp's greedy output must not change with the
     draft, and the draft fitted to this reply must be accepted. DFlash: llama.cpp's converter reads our
-    speculators files as its DSpark without a Markov head (`families/dflash/gguf.py`)."""
+    speculators files as its DSpark without a Markov head (`families/block/gguf.py`); DSpark: as written, its
+    Markov and confidence heads included, served with the confidence head stopping chains (p_min)."""
     recipe, checkpoint, prompt, _ = fitted(family)
     fmt = get(family).formats["gguf"]
     out = export(recipe, checkpoint, "gguf", tmp_path / "gguf", dtype="float32").path
-    if family == "dflash":  # the converter's reading of our aux ids, block and mask token (SPEC.md section 10)
+    if family != "eagle3":  # the converter's reading of our aux ids, block and mask token (SPEC.md section 10)
         from gguf import GGUFReader
 
-        fields, cfg = GGUFReader(out / fmt.draft_file).fields, load_draft(out, target.num_layers).draft.config
+        reader, cfg = GGUFReader(out / fmt.draft_file), load_draft(out, target.num_layers).draft.config
+        fields = reader.fields
         assert fields["general.architecture"].contents() == fmt.draft_architecture
         assert fields["dflash.target_layers"].contents() == list(cfg.aux_layer_ids) == target.aux_layer_ids
         assert fields["dflash.block_size"].contents() == cfg.block_size
         assert fields["tokenizer.ggml.mask_token_id"].contents() == cfg.mask_token_id
-        assert not fields["dflash.sample_from_anchor"].contents()
-    args = draft_args(out / fmt.draft_file, fmt.llamacpp_spec_type, 3)
+        assert fields["dflash.sample_from_anchor"].contents() == (family == "dspark")
+        heads = {"markov_w1.weight", "markov_w2.weight", "conf_proj.weight"}
+        assert (heads <= {t.name for t in reader.tensors}) == (family == "dspark")
+    args = draft_args(out / fmt.draft_file, fmt.llamacpp_spec_type, 3, 0.05 if family == "dspark" else 0.0)
     reference, drafted = decoded(recipe, args, prompt, tmp_path)
     assert drafted.tokens == reference.tokens
     assert drafted.steps > 0 and drafted.accepted > 0, drafted

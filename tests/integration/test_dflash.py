@@ -14,8 +14,8 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb, repea
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
 from speculators_train.families import get
-from speculators_train.families.dflash.model import DFlashConfig, DFlashDraft
-from speculators_train.families.dflash.objective import block_loss, dpace_weights, sample_anchors
+from speculators_train.families.block.model import DFlashConfig, DFlashDraft
+from speculators_train.families.block.objective import block_loss, dpace_weights, sample_anchors
 from speculators_train.families.vocab import build_vocab_mapping
 from speculators_train.head import TargetHead
 from speculators_train.proposal import TreeSpec

@@ -21,9 +21,10 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any, ClassVar
 
 from speculators_train.engines.llamacpp.converter import OUTTYPES, convert
-from speculators_train.families.dflash.formats import DFlashFormat
+from speculators_train.families.block.formats import DFlashFormat
 from speculators_train.families.format_common import GGUFDraft
 
 # What llama.cpp's converter needs to read this draft as the DFlash case of its DSpark class.
@@ -41,12 +42,13 @@ class GGUFFormat(GGUFDraft, DFlashFormat):
     engines = "llama.cpp (`llama-server --spec-type draft-dflash`)"
     draft_architecture = "dflash"
     llamacpp_spec_type = "draft-dflash"
+    converter_labels: ClassVar[dict[str, Any]] = AS_DSPARK  # config keys the converter's copy overrides
 
     def finish(self, out: Path, target_dir: Path, dtype: str) -> None:
         config = json.loads((out / "config.json").read_text())
         with tempfile.TemporaryDirectory(dir=out, prefix=".converter-") as tmp:
             source = Path(tmp) / out.name  # the converter names the model after its folder
             source.mkdir()
-            (source / "config.json").write_text(json.dumps({**config, **AS_DSPARK}, indent=2))
+            (source / "config.json").write_text(json.dumps({**config, **self.converter_labels}, indent=2))
             os.link(out / "model.safetensors", source / "model.safetensors")
             convert(source, out / self.draft_file, OUTTYPES[dtype], target_dir=target_dir)

@@ -18,10 +18,14 @@ full_acc_d predicts the loop's acceptance at k = B - 1 draft tokens.
 
 from __future__ import annotations
 
+from functools import partial
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 
 from speculators_train.chunks import chunk_rows, chunked
-from speculators_train.families.dflash.model import DFlashDraft
+from speculators_train.families.block.model import DFlashDraft
 from speculators_train.families.divergence import Divergence, divergence
 from speculators_train.families.objective import ChainAccuracy, Objective, Sums, global_counts, key, ratio
 from speculators_train.families.vocab import draft_to_target
@@ -52,6 +56,43 @@ def dpace_weights(confidence: torch.Tensor, scored: torch.Tensor, alpha: float) 
     return reach.flip(-1).cumsum(-1).flip(-1) * scored
 
 
+class Scoring(NamedTuple):
+    """What scoring a chunk of blocks reads besides the chunk: the target's states at trained positions (`picked`)
+    and its head's rows of the draft vocabulary (`weight`)."""
+
+    draft: DFlashDraft
+    head: TargetHead
+    picked: torch.Tensor
+    weight: torch.Tensor
+    kind: Divergence
+    weighting: tuple[str, float, float]
+    positions: int
+
+
+def score_blocks(
+    s: Scoring, h: torch.Tensor, slots: torch.Tensor, scored: torch.Tensor, before: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """One chunk of blocks [B, c, P]: the weighted loss sum, the confidence BCE sum and absolute error sum, each
+    slot's divergence and whether it is right."""
+    style, gamma, alpha = s.weighting
+    lg = s.draft.slot_logits(h, before).float()
+    with torch.no_grad():
+        target = torch.softmax(s.head.on(s.picked[slots], s.weight), dim=-1)
+    log_q = torch.log_softmax(lg, dim=-1)
+    div = divergence(target, log_q, s.kind)
+    decay = torch.exp(-torch.arange(s.positions, device=div.device, dtype=div.dtype) / gamma).expand_as(div)
+    weights = dpace_weights(torch.exp(-div.detach()), scored, alpha) if style == "dpace" else decay
+    bce = error = torch.zeros((), device=div.device)
+    confidence = s.draft.confidence_logits(h, before)
+    if confidence is not None:
+        accept = torch.minimum(target, log_q.detach().exp()).sum(-1)  # 1 - TV: the slot's acceptance
+        losses = F.binary_cross_entropy_with_logits(confidence.float(), accept, reduction="none")
+        bce = (decay * losses * scored).sum()
+        error = ((torch.sigmoid(confidence.detach().float()) - accept).abs() * scored).sum()
+    right = lg.argmax(-1) == target.argmax(-1)
+    return (weights * div * scored).sum(), bce, error, div.detach(), right
+
+
 def block_loss(
     draft: DFlashDraft,
     batch: dict[str, torch.Tensor],
@@ -61,9 +102,12 @@ def block_loss(
     max_anchors: int,
     kind: Divergence,
     training: bool,
+    confidence_weight: float = 0.0,
 ) -> tuple[torch.Tensor, Sums]:
-    """The loss over the first `positions` mask slots of each block, and the metric sums. `weighting`:
-    (position_weight, gamma, dpace_alpha)."""
+    """The loss over the first `positions` proposing slots of each block, and the metric sums. `weighting`:
+    (position_weight, gamma, dpace_alpha). A draft that predicts its acceptance (`confidence_logits`) adds
+    `confidence_weight` times its BCE against the slot's analytical acceptance 1 - TV(target, draft), not
+    differentiated, with the exp-decay weights (speculators' DSpark loss)."""
     ids, aux, final, mask = batch["input_ids"], batch["aux_hidden_states"], batch["hidden_state"], batch["loss_mask"]
     length = ids.shape[1]
     trained = mask[:, 1:].bool()  # index j: x_{j+1} is an assistant token, the only targets a block is scored on
@@ -78,33 +122,23 @@ def block_loss(
     candidates[:, length - 1 :] = False  # an anchor proposes at least one token inside the sequence
     anchors, present = sample_anchors(candidates, max_anchors if training else None)
     out = draft.training_forward(ids, aux.to(draft.fc.weight.dtype), anchors, positions, logits=False)  # [B,n,P,H]
-    index = anchors[..., None] + torch.arange(positions, device=ids.device)  # slot i + 1 reads target index a + i
+    index = anchors[..., None] + torch.arange(positions, device=ids.device)  # proposing slot i reads index a + i
+    previous = ids.gather(1, index.clamp(max=length - 1).flatten(1)).view(index.shape)  # x_{a+i}, before its target
     here = present[..., None] & (index < length - 1)
     rows = row_of.gather(1, index.clamp(max=length - 2).flatten(1)).view(index.shape)
     inside = here & (rows >= 0)  # [B, n, P]: the slot's target is an assistant token
     rows = rows.clamp(min=0)
     ok = inside & in_vocab[rows]  # ... and the target's top-1 is in the draft vocabulary: scored
-    style, gamma, alpha = weighting
-
-    def piece(h: torch.Tensor, slots: torch.Tensor, scored: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """One chunk of blocks [B, c, P]: the weighted loss sum, each slot's divergence and whether it is right."""
-        lg = draft.lm_head(h).float()
-        with torch.no_grad():
-            target = torch.softmax(head.on(picked[slots], weight), dim=-1)
-        div = divergence(target, torch.log_softmax(lg, dim=-1), kind)
-        if style == "dpace":
-            weights = dpace_weights(torch.exp(-div.detach()), scored, alpha)
-        else:
-            steps = torch.arange(positions, device=div.device, dtype=div.dtype)
-            weights = torch.exp(-steps / gamma).expand_as(div)
-        return (weights * div * scored).sum(), div.detach(), lg.argmax(-1) == target.argmax(-1)
-
     chunk = chunk_rows(ids.shape[0] * positions, draft.config.draft_vocab_size)
-    weighted, div, right = chunked(piece, chunk, out, rows, ok)
+    scoring = Scoring(draft, head, picked, weight, kind, weighting, positions)
+    weighted, bce, error, div, right = chunked(partial(score_blocks, scoring), chunk, out, rows, ok, previous)
     count = ok.sum()
     total = global_counts(count[None])[0] if training else count.clamp(min=1)
-    loss = weighted / total
+    loss = (weighted + confidence_weight * bce) / total
     sums: Sums = {"vocab_coverage": ratio(ok[..., 0].sum(), inside[..., 0].sum())}
+    if draft.predicts_acceptance:
+        sums["confidence_loss"] = ratio(bce.detach(), count)
+        sums["confidence_error"] = ratio(error, count)
     chains = ChainAccuracy()
     for d in range(positions):
         scored = ok[..., d]
@@ -125,11 +159,23 @@ class DFlashObjective(Objective):
         weighting: tuple[str, float, float],
         max_anchors: int,
         kind: Divergence,
+        confidence_weight: float = 0.0,
     ) -> None:
         super().__init__(draft, head)
         self.steps, self.weighting, self.max_anchors, self.kind = positions, weighting, max_anchors, kind
+        self.confidence_weight = confidence_weight
+        if draft.predicts_acceptance:
+            self.totals = (*self.totals, "confidence_loss", "confidence_error")
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Sums]:
         return block_loss(
-            self.draft, batch, self.head, self.steps, self.weighting, self.max_anchors, self.kind, self.training
+            self.draft,
+            batch,
+            self.head,
+            self.steps,
+            self.weighting,
+            self.max_anchors,
+            self.kind,
+            self.training,
+            self.confidence_weight,
         )

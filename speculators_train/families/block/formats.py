@@ -18,6 +18,7 @@ nothing for speculators and gives vLLM the bidirectional block it was trained wi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from transformers import Qwen3Config
 
 from speculators_train.errors import UserError
 from speculators_train.families.base import ExportFormat
-from speculators_train.families.dflash.model import DFlashConfig, DFlashDraft, checked_dflash_config
+from speculators_train.families.block.model import DFlashConfig, DFlashDraft, checked_dflash_config
 from speculators_train.families.format_common import (
     FILE_KEYS,
     SPECULATORS_VERSION,
@@ -85,19 +86,30 @@ def dflash_config(config: DFlashConfig, verifier: str, architectures: list[str],
     }
 
 
-def load_dflash(path: Path, config: dict[str, Any], target_num_layers: int) -> tuple[DFlashDraft, bool]:
+def load_dflash(
+    path: Path,
+    config: dict[str, Any],
+    target_num_layers: int,
+    heads: dict[str, str] | None = None,
+    kind: tuple[type[DFlashDraft], Callable[..., DFlashConfig]] = (DFlashDraft, checked_dflash_config),
+) -> tuple[DFlashDraft, bool]:
+    """A block draft from its speculators files: DFlash's fields, plus `heads` (our field -> the file's key) read
+    for `kind`, its (draft type, config reader)."""
     config_file = path / "config.json"
+    draft_type, read_config = kind
     with reading(config_file, "DFlash speculators config"):
         layer = dict(dict_field(config, "transformer_layer_config"))
         for key in (*FILE_KEYS, "model_type"):
             layer.pop(key, None)
         for key in ("mask_token_id", "aux_hidden_state_layer_ids"):
             if config.get(key) is None:
-                raise UserError(f"{config_file}: {key} is missing; vLLM refuses such a DFlash draft too")
-        if config.get("sample_from_anchor"):
+                raise UserError(f"{config_file}: {key} is missing; vLLM refuses such a draft too")
+        anchored = config.get("sample_from_anchor", draft_type.first_slot == 0)  # speculators' default per type
+        if anchored != (draft_type.first_slot == 0):
             raise UserError(
-                f"{config_file}: sample_from_anchor is true (the anchor slot proposes too, as DSpark trains it); "
-                "this toolkit's DFlash drafts propose from the mask slots only"
+                f"{config_file}: sample_from_anchor is {str(anchored).lower()}; this toolkit reads it "
+                f"{str(draft_type.first_slot == 0).lower()} for a {config.get('speculators_model_type')} draft "
+                "(true: the anchor slot proposes too, as DSpark trains it)"
             )
         values = {
             "layer_config": layer,
@@ -107,12 +119,13 @@ def load_dflash(path: Path, config: dict[str, Any], target_num_layers: int) -> t
             "block_size": config.get("block_size", 8),  # speculators' config default
             "mask_token_id": config["mask_token_id"],
             "target_num_layers": target_num_layers,
+            **{field: config.get(key) for field, key in (heads or {}).items()},
         }
         keys = {"layer_config": "transformer_layer_config", "aux_layer_ids": "aux_hidden_state_layer_ids"}
-        cfg = checked_dflash_config(values, keys)
+        cfg = read_config(values, {**keys, **(heads or {})})
     weights, source = read_weights(path)
     weights = with_identity_vocab_maps(weights, cfg)
-    draft = load_checked(lambda: DFlashDraft(cfg), weights, source, config_file, optional=("embed_tokens.weight",))
+    draft = load_checked(lambda: draft_type(cfg), weights, source, config_file, optional=("embed_tokens.weight",))
     return draft, "embed_tokens.weight" in weights
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from speculators_train.families.dflash.model import KV, DFlashDraft
+from speculators_train.families.block.model import KV, DFlashDraft
 from speculators_train.families.vocab import draft_to_target
 from speculators_train.proposal import DraftTree, Sampling, TreeSpec, independent_chain, independent_tree
 from speculators_train.target import StateSpec
@@ -36,9 +36,14 @@ class DFlashProposer:
         if tokens:
             self.anchor = tokens[-1]
 
-    @torch.inference_mode()
     def logits(self, k: int) -> torch.Tensor:
-        """[k, draft vocab]: the mask slots of one block of k + 1 slots at the anchor."""
+        """[k, draft vocab]: the proposing slots of one block at the anchor (k + 1 slots: the anchor proposes
+        nothing)."""
+        return self.outputs(k, logits=True)
+
+    @torch.inference_mode()
+    def outputs(self, k: int, logits: bool) -> torch.Tensor:
+        """The k proposing slots of one block at the anchor: their logits [k, D], or their normed outputs [k, H]."""
         if self.anchor is None:
             raise RuntimeError("propose before any extend")
         draft = self.draft
@@ -56,7 +61,7 @@ class DFlashProposer:
             self.queued = []
         anchor = torch.tensor([[self.anchor]], device=self.device)
         at = torch.tensor([[self.length]], device=self.device)
-        return draft.blocks(anchor, at, k + 1, self.context, None)[0, 0]
+        return draft.blocks(anchor, at, k + draft.first_slot, self.context, None, logits=logits)[0, 0]
 
     def propose_chain(
         self, k: int, sampling: Sampling, generator: torch.Generator | None

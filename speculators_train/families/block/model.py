@@ -16,7 +16,7 @@ the target's own row of `mask_token_id`, as vLLM embeds them.
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -33,7 +33,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from speculators_train.architectures import text_config
-from speculators_train.families.dflash.settings import MAX_BLOCK, MAX_DRAFT_LAYERS
+from speculators_train.families.block.settings import MAX_BLOCK, MAX_DRAFT_LAYERS
 from speculators_train.families.draft_config import (
     Bounded,
     Hidden,
@@ -108,14 +108,16 @@ class DFlashLayers(BaseModel):
     layer_types: list[Literal["full_attention"]] | None = None  # sliding-window draft layers are not built here
 
 
-def checked_dflash_config(values: dict[str, Any], keys: dict[str, str] | None = None) -> DFlashConfig:
-    """A DFlashConfig from a file's values, each typed and in range first (ValueError names the key as the file
+def checked_dflash_config(
+    values: dict[str, Any], keys: dict[str, str] | None = None, config_type: type[DFlashConfig] = DFlashConfig
+) -> DFlashConfig:
+    """A `config_type` from a file's values, each typed and in range first (ValueError names the key as the file
     spells it: `keys` maps a field to that spelling where it differs)."""
     name = spelled(keys)
     layer = values.get("layer_config")
     if isinstance(layer, dict):
         checked(DFlashLayers, layer, prefix=f"{name('layer_config')}.")
-    config = checked_config(values, keys, DFlashConfig)
+    config = checked_config(values, keys, config_type)
     within(config.mask_token_id, 0, config.target_vocab_size - 1, name("mask_token_id"))
     return config
 
@@ -214,6 +216,8 @@ class DFlashDraft(nn.Module):
     """Weight names follow speculators' DFlashDraftModel (`fc`, `hidden_norm`, `layers.N.*`, `norm`, `lm_head`,
     `d2t`, `t2d`); `embed_tokens` is the target's and is not saved."""
 
+    first_slot: ClassVar[int] = 1  # the first slot that proposes (the anchor, the bonus token, proposes nothing)
+
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
         self.config = config
@@ -248,10 +252,10 @@ class DFlashDraft(nn.Module):
         proposing: int | None = None,
         logits: bool = True,
     ) -> torch.Tensor:
-        """Draft-vocab logits [B, n, P, D] of the first P = `proposing` (default: all) mask slots of n blocks of
-        `size` slots: anchors [B, n] (tokens and positions), every layer's context keys from `context`, seen where
-        `visible` [B, n, L] (None: all). Slot 0, the anchor, proposes nothing and gets no logits. Without `logits`:
-        the slots' outputs through the final norm [B, n, P, H] (a loss applies the head by chunks)."""
+        """Draft-vocab logits [B, n, P, D] of the first P = `proposing` (default: all) proposing slots of n blocks
+        of `size` slots: anchors [B, n] (tokens and positions), every layer's context keys from `context`, seen where
+        `visible` [B, n, L] (None: all). Slots before `first_slot` propose nothing and get no logits. Without
+        `logits`: the slots' outputs through the final norm [B, n, P, H] (a loss applies `slot_logits` by chunks)."""
         batch, n = anchor_tokens.shape
         ids = torch.full((batch, n, size), self.config.mask_token_id, device=anchor_tokens.device)
         ids[..., 0] = anchor_tokens
@@ -263,8 +267,23 @@ class DFlashDraft(nn.Module):
                 h = checkpoint(layer, h, k, v, visible, cos, sin, use_reentrant=False)
             else:
                 h = layer(h, k, v, visible, cos, sin)
-        normed = self.norm(h[:, :, 1 : 1 + (proposing or size - 1)])
+        first = self.first_slot
+        normed = self.norm(h[:, :, first : first + (proposing or size - first)])
         return self.lm_head(normed) if logits else normed
+
+    def slot_logits(self, normed: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits of proposing slots' outputs `normed` [..., P, H]; `previous` [..., P] (target ids: the
+        token before each slot's own) is read by drafts whose slots depend on it (DSpark)."""
+        return self.lm_head(normed)
+
+    @property
+    def predicts_acceptance(self) -> bool:
+        """Whether `confidence_logits` predicts each slot's acceptance (a confidence head)."""
+        return False
+
+    def confidence_logits(self, normed: torch.Tensor, previous: torch.Tensor) -> torch.Tensor | None:
+        """Each slot's predicted acceptance, as a logit [..., P]; None: the draft predicts none."""
+        return None
 
     def training_forward(
         self,
