@@ -115,9 +115,12 @@ def vllm_facts(architectures: list[str]) -> dict[str, dict[str, Any]] | None:
     return {a: known[f"{version}:{a}"] for a in architectures}
 
 
-def vllm_serving(target_config: Any, reads_target_states: bool, own_attention: bool) -> Serving:
+def vllm_serving(
+    target_config: Any, reads_target_states: bool, own_attention: bool, needs_gpu: bool = False
+) -> Serving:
     """Whether vLLM serves a draft on this target: `reads_target_states`, a draft reading the target's
-    intermediate states; `own_attention`, one with attention layers of its own (not the target's kind)."""
+    intermediate states; `own_attention`, one with attention layers of its own (not the target's kind);
+    `needs_gpu`, one whose method only vLLM's V2 model runner runs."""
     out = Serving("vllm")
     architecture = (getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])[0]
     known = vllm_facts([architecture])
@@ -132,6 +135,8 @@ def vllm_serving(target_config: Any, reads_target_states: bool, own_attention: b
             f"vLLM runs {architecture} as {facts['name']}, which does not implement SupportsEagle3: it cannot hand "
             "the draft the target's intermediate states"
         )
+    if facts["cpu"] and needs_gpu:
+        out.here.append("vLLM runs this draft's method in its V2 model runner only, which needs Triton: a GPU build")
     if facts["cpu"] and own_attention and uses_mla(target_config):
         out.here.append(
             "vLLM's CPU build cannot pair an MLA target with a draft's own attention layers (no common KV-cache "
@@ -328,7 +333,7 @@ def serving(engine: str, target: Any, target_config: Any, settings: Any) -> Serv
     (its `TargetConfig`; `target_config` is its transformers config)."""
     reads = settings.target_states == "aux+final"
     if engine == "vllm":
-        return vllm_serving(target_config, reads, settings.own_attention)
+        return vllm_serving(target_config, reads, settings.own_attention, settings.vllm_needs_gpu)
     return llamacpp_serving(target_config, gguf_architecture(target), reads)
 
 

@@ -78,6 +78,7 @@ class FamilySettings(Section):
     # The one of `formats` that vLLM serves as a speculative method (`ExportFormat.vllm_speculative_config`), or
     # None: `eval.engine: vllm` is refused at load, and `verify --engine vllm` exports this format.
     vllm_format: ClassVar[str | None] = "speculators"
+    vllm_needs_gpu: ClassVar[bool] = False  # vLLM runs its method in the V2 model runner only (Triton: a GPU build)
     tree_shapes: ClassVar[tuple[str, ...]] = ("dynamic",)  # eval.tree.shape values its proposer grows
     fine_tunes: ClassVar[bool] = True  # whether training.init_from may name a draft of this family
     target_states: ClassVar[TargetStates] = "aux+final"  # what its objective reads, and `generate` stores

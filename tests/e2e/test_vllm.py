@@ -225,7 +225,10 @@ def printed_speculative_config(capsys, argv: list[str]) -> dict:
     return json.loads(match.group(1))
 
 
-@pytest.mark.parametrize("family", [s.model_fields["family"].default for s in settings_types() if s.vllm_format])
+@pytest.mark.parametrize(
+    "family",
+    [s.model_fields["family"].default for s in settings_types() if s.vllm_format and not s.vllm_needs_gpu],
+)
 def test_vllm_serves_each_family_from_the_printed_command_with_the_targets_output(
     family, target, reference, fitted, tmp_path, capsys
 ):
@@ -264,6 +267,40 @@ def test_vllm_serves_each_family_from_the_printed_command_with_the_targets_outpu
         decoded = engine.generate([prompt], MAX_NEW, 0.0, 1.0, [0])
     assert decoded.completions[0].tokens == alone
     assert decoded.counts.drafts > 0 and decoded.counts.accepted > 0, decoded.counts
+
+
+@pytest.mark.parametrize(
+    "family", [s.model_fields["family"].default for s in settings_types() if s.vllm_format and s.vllm_needs_gpu]
+)
+def test_vllm_reads_a_gpu_only_export_as_trained_and_its_cpu_build_stops_where_it_says(
+    family, target, reference, fitted, tmp_path, capsys
+):
+    """DSpark: vLLM's speculators reader and model registry take our export (its Qwen3 DSpark class, the aux ids,
+    every slot proposing, the heads as written, blocks bidirectional), and this CPU build stops at its own rule: the
+    V1 model runner refuses `method: dspark`, and V2 needs Triton. A GPU build serves it from the printed line."""
+    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+
+    from speculators_train.engines.vllm import Engine
+    from speculators_train.errors import UserError
+
+    hf_dir, _, _ = reference
+    recipe, checkpoint, _, _ = fitted(family)
+    out = tmp_path / "export"
+    argv = ["export", str(recipe.source_path), "--checkpoint", str(checkpoint), "--out", str(out), "--dtype", "float32"]
+    spec = printed_speculative_config(capsys, argv)
+    assert spec["method"] == family
+    parsed = vllm_config(out)
+    draft = load_draft(out, target.num_layers).draft.config
+    assert parsed.architectures == ["Qwen3DSparkModel"] and parsed.draft_vocab_size == draft.draft_vocab_size
+    assert parsed.eagle_aux_hidden_state_layer_ids == target.aux_layer_ids
+    assert parsed.target_layer_ids == [i - 1 for i in target.aux_layer_ids]
+    assert (parsed.sample_from_anchor, parsed.dspark_bonus_anchor, parsed.block_size) == (True, False, 4)
+    assert (parsed.markov_rank, parsed.markov_head_type) == (draft.markov_rank, "vanilla")
+    assert parsed.enable_confidence_head is True and parsed.confidence_head_with_markov is True
+    assert dflash_has_any_non_causal(parsed)
+    refusal = f"Model Runner V1 does not support: {family} speculative decoding"
+    with pytest.raises(UserError, match=refusal), Engine(hf_dir, spec, in_process=True):
+        pass
 
 
 def test_vllm_serves_an_eagle3_draft_over_the_targets_whole_vocabulary(target, reference, tmp_path, capsys):

@@ -39,6 +39,7 @@ class Settings(DFlashSettings):
 
     formats: ClassVar[dict[str, str]] = {"speculators": "formats:DSparkFormat", "gguf": "gguf:GGUFFormat"}
     predicts_acceptance: ClassVar[bool] = True
+    vllm_needs_gpu: ClassVar[bool] = True  # vLLM's V1 runner refuses `method: dspark` (tests/e2e/test_vllm.py)
 
     def recipe_problems(self, recipe: Any) -> list[str]:
         problems = super().recipe_problems(recipe)
