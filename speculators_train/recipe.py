@@ -78,6 +78,8 @@ class Recipe(Section):
             problems.append(f"eval.tree.shape {self.eval.tree.shape!r}: {name} drafts grow {list(draft.tree_shapes)}")
         if self.training.init_from and not draft.fine_tunes:
             problems.append(f"training.init_from: {name} drafts start fresh; remove it")
+        if self.eval.draft_p_min and self.eval.engine == "vllm":
+            problems.append("eval.draft_p_min: vLLM has no such stop; verify with 'llama.cpp' or 'native'")
         if self.eval.draft_p_min and self.eval.engine == "native" and not draft.predicts_acceptance:
             problems.append(
                 f"eval.draft_p_min: this loop stops chains only by a confidence head, which {name} drafts lack "

@@ -208,6 +208,8 @@ def test_dspark_refusals_name_what_is_wrong(tmp_path, target):
     flash = make_recipe(tmp_path / "f", [{"name": "s", "path": SHAREGPT, "max_records": 8}], draft={"family": "dflash"})
     with pytest.raises(UserError, match="this loop stops chains only by a confidence head"):
         load_recipe(flash, {"eval.draft_p_min": 0.5})
+    with pytest.raises(UserError, match="vLLM has no such stop"):
+        load_recipe(path, {"eval.draft_p_min": 0.5, "eval.engine": "vllm"})
     _, out = exported(tmp_path / "e", random_dspark(target))
     config = json.loads((out / "config.json").read_text())
     for change, words in (

@@ -29,7 +29,7 @@ class DSparkProposer(DFlashProposer):
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(k):
-            if sampling.p_min > 0:
+            if sampling.p_min > 0 and draft.predicts_acceptance:
                 confidence = torch.sigmoid(draft.confidence_logits(normed[i : i + 1], previous).float())
                 if float(confidence) < sampling.p_min:
                     break
