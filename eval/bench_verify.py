@@ -35,7 +35,15 @@ from speculators_train.target import Target, load_target
 from speculators_train.verify.decoder import Generation, SpeculativeDecoder
 from speculators_train.verify.oracle import OracleProposer
 from speculators_train.verify.report import score, speedup_cell
-from speculators_train.verify.run import load_draft_for, reuse, run_paired, shape_of, verify_packing, warm_up
+from speculators_train.verify.run import (
+    load_draft_for,
+    reuse,
+    run_paired,
+    sampling_at,
+    shape_of,
+    verify_packing,
+    warm_up,
+)
 from speculators_train.verify.suites import load_suite
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,7 +107,7 @@ def main() -> None:
     records = []
     with verify_packing(target, draft, widths):
         for temperature in map(float, args.temperatures.split(",")):
-            sampling = Sampling(temperature, recipe.eval.top_p, recipe.eval.draft_sampling)
+            sampling = sampling_at(recipe.eval, temperature)
             settings = [  # (shape, K, top_p, decoder per prompt)
                 (
                     shape,

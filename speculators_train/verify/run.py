@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from speculators_train.engines.serving import serving
 from speculators_train.errors import UserError
+from speculators_train.eval_config import EvalConfig
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft
 from speculators_train.files import atomic_write_bytes
@@ -157,6 +158,11 @@ def check_engine(recipe: Recipe) -> None:
         )
 
 
+def sampling_at(ev: EvalConfig, temperature: float) -> Sampling:
+    """How the loop samples and drafts at `temperature`, as the recipe's eval section says."""
+    return Sampling(temperature, ev.top_p, ev.draft_sampling, ev.draft_p_min)
+
+
 def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tuple[Path, list[dict[str, Any]]]:
     """Score the draft at `draft_path` on the recipe's suites in `eval.engine`; returns the results directory
     and its records."""
@@ -192,7 +198,7 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
         for suite in suites:
             max_new = ev.max_new_tokens or suite.config.max_new_tokens
             for temperature in ev.temperatures:
-                sampling = Sampling(temperature, ev.top_p, ev.draft_sampling, ev.draft_p_min)
+                sampling = sampling_at(ev, temperature)
                 proposer = loaded.family.proposer(loaded.draft, target)
                 decoder = SpeculativeDecoder(target, proposer, sampling, k, tree)
                 warm_up(target, decoder, suite)
