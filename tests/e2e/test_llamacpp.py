@@ -68,7 +68,11 @@ def test_each_setting_passes_the_flags_llamacpp_needs(tmp_path):
         make_recipe(
             tmp_path,
             [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}],
-            eval={"draft_p_min": 0.2, "llama_cpp": {"speculative_tokens": [3], "baselines": ["ngram-mod"]}},
+            eval={
+                "engine": "llama.cpp",
+                "draft_p_min": 0.2,
+                "llama_cpp": {"speculative_tokens": [3], "baselines": ["ngram-mod"]},
+            },
         )
     )
     (draft, k, args), (ngram, none, ngram_args) = settings(recipe, get("eagle3").formats["gguf"], tmp_path)

@@ -261,3 +261,34 @@ def test_a_trained_dspark_draft_beats_its_start_predicts_its_acceptance_verifies
     assert all(r["greedy_identical_outputs"] == "2/2" for r in records)
     out = export(recipe, tmp_path / "run", "speculators", tmp_path / "out").path
     assert '"method": "dspark"' in (out / "README.md").read_text()
+
+
+@pytest.mark.parametrize("family", ["dflash", "dspark"])
+def test_a_full_vocabulary_block_draft_keeps_the_targets_head_which_speculators_runs(tmp_path, target, family):
+    """Over the whole vocabulary speculators' DFlash models replace the file's lm_head with the verifier's on load
+    (and llama.cpp's converter drops it): the draft starts from the target's head and never trains it, so every
+    engine runs the head we trained with."""
+    from speculators.models.dflash import DFlashDraftModel
+    from speculators.models.dspark import DSparkDraftModel
+
+    from speculators_train.head import load_head_weights
+    from speculators_train.origin import resolve_origin
+    from speculators_train.recipe import TargetConfig
+    from tests.conftest import start_of
+
+    fam = get(family)
+    settings = fam.settings(family=family, **{**fam.settings.small.settings, "draft_vocab_size": target.vocab_size})
+    config, weights = load_head_weights(TargetConfig())
+    draft = fam.new_draft(settings, start_of(config, weights, torch.ones(target.vocab_size), target.aux_layer_ids))
+    assert not draft.lm_head.weight.requires_grad
+    assert torch.equal(draft.lm_head.weight, target.lm_head.weight.to(draft.lm_head.weight.dtype).cpu())
+    recipe = load_recipe(
+        make_recipe(tmp_path, [{"name": "s", "path": SHAREGPT, "max_records": 8}], draft={"family": family})
+    )
+    checkpoint = save_checkpoint(tmp_path / "ckpt", 1, draft, None, {"step": 1}, keep_last=1)
+    out = export(recipe, checkpoint, "speculators", tmp_path / "spec", "float32").path
+    written = json.loads((out / "config.json").read_text())
+    written["speculators_config"]["verifier"]["name_or_path"] = resolve_origin(recipe.target)[0]
+    (out / "config.json").write_text(json.dumps(written))
+    theirs = {"dflash": DFlashDraftModel, "dspark": DSparkDraftModel}[family].from_pretrained(out)
+    assert torch.equal(theirs.lm_head.weight, draft.lm_head.weight)

@@ -230,6 +230,10 @@ class DFlashDraft(nn.Module):
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.embed_tokens = nn.Embedding(config.target_vocab_size, hidden)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        if config.draft_vocab_size == config.target_vocab_size:
+            # Over the whole vocabulary speculators and llama.cpp run the target's own head, not the file's: it
+            # stays the target's (`new_draft` copies it) and is not trained.
+            self.lm_head.weight.requires_grad_(False)
         self.rotary_emb = Qwen3RotaryEmbedding(qwen3)
         d2t, t2d = first_ids(config.draft_vocab_size, config.target_vocab_size)
         self.register_buffer("d2t", d2t)
