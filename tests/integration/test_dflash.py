@@ -36,7 +36,12 @@ def random_dflash(target, block_size: int = 8, layers: int = 2) -> DFlashDraft:
     and a 1024-id vocabulary of scattered ids plus the most common ones."""
     torch.manual_seed(0)
     config = DFlashConfig.for_target(target.config, target.aux_layer_ids, 1024, block_size, layers, MASK_ID)
-    draft = DFlashDraft(config)
+    return randomized(DFlashDraft(config), target)
+
+
+def randomized(draft: DFlashDraft, target) -> DFlashDraft:
+    """`draft` with norms drawn in 0.5..1.5 (so a weight in the wrong slot shows), the target's embedding, and a
+    1024-id vocabulary of scattered ids plus the 256 first ones, placed on the target's device."""
     freq = torch.zeros(target.vocab_size)
     freq[torch.randperm(target.vocab_size)[:1024]] = 1
     freq[:256] = 2

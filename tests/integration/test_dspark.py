@@ -12,14 +12,13 @@ from speculators_train.errors import UserError
 from speculators_train.export.run import export
 from speculators_train.families import get
 from speculators_train.families.dspark.model import DSparkDraft
-from speculators_train.families.vocab import build_vocab_mapping
 from speculators_train.proposal import Sampling
 from speculators_train.recipe import load_recipe
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain
 from speculators_train.verify.run import eos_ids, load_draft_for
 from tests.conftest import SHAREGPT, chat, make_recipe
-from tests.integration.test_dflash import MASK_ID
+from tests.integration.test_dflash import MASK_ID, randomized
 from tests.integration.test_verify import GREEDY
 
 
@@ -36,19 +35,9 @@ def random_dspark(target, kind: str = "vanilla", block_size: int = 6, rank: int 
         mask_token_id=MASK_ID,
     )
     draft = DSparkDraft(get("dspark").draft_config(settings, target.config, target.aux_layer_ids, 1024))
-    freq = torch.zeros(target.vocab_size)
-    freq[torch.randperm(target.vocab_size)[:1024]] = 1
-    freq[:256] = 2
-    d2t, t2d = build_vocab_mapping(freq, 1024)
     with torch.no_grad():
-        for p in draft.parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5)
         draft.markov_head.markov_w1.weight.normal_(0, 1.0)
-        draft.d2t.copy_(d2t)
-        draft.t2d.copy_(t2d)
-        draft.embed_tokens.weight.copy_(target.embed_tokens.weight)
-    return draft.to(target.device).eval()
+    return randomized(draft, target)
 
 
 @pytest.fixture(scope="module")
