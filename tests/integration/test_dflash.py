@@ -252,28 +252,36 @@ def test_speculators_library_loads_our_dflash_export_and_computes_the_same_logit
     with torch.no_grad():
         theirs.embed_tokens.weight.copy_(target.embed_tokens.weight)
 
-    ids, aux, final = conversation
-    length = len(ids)
-    # their anchors: every loss-mask position outside the last block_size, drawn all when max_anchors covers them
-    loss_mask = torch.zeros(1, length, dtype=torch.long)
-    loss_mask[0, length - 24 :] = 1
-    anchors = torch.nonzero(loss_mask[0, : length - 4]).flatten()
+    ids, aux, _ = conversation
     captured = []
     hook = theirs.lm_head.register_forward_hook(lambda _m, _a, out: captured.append(out.detach()))
     with torch.no_grad():
-        theirs._backbone_forward(
-            hidden_states=aux,
-            input_ids=torch.tensor([ids]),
-            loss_mask=loss_mask,
-            verifier_last_hidden_states=final,
-            document_ids=torch.zeros(1, length, dtype=torch.long),
-            max_anchors=anchors.numel(),
-        )
+        anchors, _ = their_backbone(theirs, conversation, 4)
         loaded = load_draft_for(target, out).draft
         mine = loaded.training_forward(torch.tensor([ids]), aux, anchors[None])
     hook.remove()
     (their_logits,) = captured
     torch.testing.assert_close(their_logits.view(anchors.numel(), 4, -1)[:, 1:], mine[0], rtol=1e-4, atol=1e-4)
+
+
+def their_backbone(theirs, conversation, block_size: int) -> tuple[torch.Tensor, tuple]:
+    """(anchors, outputs) of a speculators block model's `_backbone_forward` over the conversation, its last 24
+    tokens trained. Their anchors: every loss-mask position outside the last block, all drawn when max_anchors
+    covers them."""
+    ids, aux, final = conversation
+    length = len(ids)
+    loss_mask = torch.zeros(1, length, dtype=torch.long)
+    loss_mask[0, length - 24 :] = 1
+    anchors = torch.nonzero(loss_mask[0, : length - block_size]).flatten()
+    outputs = theirs._backbone_forward(
+        hidden_states=aux,
+        input_ids=torch.tensor([ids]),
+        loss_mask=loss_mask,
+        verifier_last_hidden_states=final,
+        document_ids=torch.zeros(1, length, dtype=torch.long),
+        max_anchors=anchors.numel(),
+    )
+    return anchors, outputs
 
 
 def test_dflash_refusals_name_what_is_wrong(tmp_path, target, draft):

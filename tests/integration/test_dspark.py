@@ -18,8 +18,11 @@ from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain
 from speculators_train.verify.run import eos_ids, load_draft_for
 from tests.conftest import SHAREGPT, chat, make_recipe
-from tests.integration.test_dflash import MASK_ID, randomized
+from tests.integration import test_dflash
+from tests.integration.test_dflash import MASK_ID, randomized, their_backbone
 from tests.integration.test_verify import GREEDY
+
+conversation = test_dflash.conversation  # the prompt and reply DFlash's tests use, per module
 
 
 def random_dspark(target, kind: str = "vanilla", block_size: int = 6, rank: int = 24) -> DSparkDraft:
@@ -38,15 +41,6 @@ def random_dspark(target, kind: str = "vanilla", block_size: int = 6, rank: int 
     with torch.no_grad():
         draft.markov_head.markov_w1.weight.normal_(0, 1.0)
     return randomized(draft, target)
-
-
-@pytest.fixture(scope="module")
-def conversation(target):
-    """A prompt and the target's own greedy reply: (ids, aux states g_t [1, L, 3H], pre-norm final states)."""
-    prompt = chat(target, "Explain what a hash table is in two sentences.")
-    ids = prompt + decode_plain(target, prompt, 24, set(), GREEDY).tokens
-    aux, final = target.hidden_states(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
-    return ids, aux, final
 
 
 def exported(tmp_path, draft) -> tuple:
@@ -81,20 +75,9 @@ def test_speculators_library_loads_our_dspark_export_and_computes_the_same_logit
     with torch.no_grad():
         theirs.embed_tokens.weight.copy_(target.embed_tokens.weight)
 
-    ids, aux, final = conversation
-    length = len(ids)
-    loss_mask = torch.zeros(1, length, dtype=torch.long)
-    loss_mask[0, length - 24 :] = 1
-    anchors = torch.nonzero(loss_mask[0, : length - 4]).flatten()
+    ids, aux, _ = conversation
     with torch.no_grad():
-        hidden, logits, _, _, indices = theirs._backbone_forward(
-            hidden_states=aux,
-            input_ids=torch.tensor([ids]),
-            loss_mask=loss_mask,
-            verifier_last_hidden_states=final,
-            document_ids=torch.zeros(1, length, dtype=torch.long),
-            max_anchors=anchors.numel(),
-        )
+        anchors, (hidden, logits, _, _, indices) = their_backbone(theirs, conversation, 4)
         blocks = hidden.view(anchors.numel(), 4, -1)
         previous = torch.tensor([ids])[0, indices].view(anchors.numel(), 4)  # their forward's prev_token_ids
         embedded = theirs.markov_head.prev_embeddings(previous)
