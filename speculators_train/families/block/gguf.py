@@ -44,11 +44,15 @@ class GGUFFormat(GGUFDraft, DFlashFormat):
     llamacpp_spec_type = "draft-dflash"
     converter_labels: ClassVar[dict[str, Any]] = AS_DSPARK  # config keys the converter's copy overrides
 
+    def converter_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The config.json the converter's copy of the export holds."""
+        return {**config, **self.converter_labels}
+
     def finish(self, out: Path, target_dir: Path, dtype: str) -> None:
         config = json.loads((out / "config.json").read_text())
         with tempfile.TemporaryDirectory(dir=out, prefix=".converter-") as tmp:
             source = Path(tmp) / out.name  # the converter names the model after its folder
             source.mkdir()
-            (source / "config.json").write_text(json.dumps({**config, **self.converter_labels}, indent=2))
+            (source / "config.json").write_text(json.dumps(self.converter_config(config), indent=2))
             os.link(out / "model.safetensors", source / "model.safetensors")
             convert(source, out / self.draft_file, OUTTYPES[dtype], target_dir=target_dir)

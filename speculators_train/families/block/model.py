@@ -174,6 +174,20 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    # Around each sublayer a layer may transform the block's slots (DFlash2's convolutions): `before_*` takes the
+    # normed input [B, n, S, H] and returns it with what `around_*` needs for the sublayer's output.
+    def before_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return x, None
+
+    def around_attention(self, out: torch.Tensor, saved: Any) -> torch.Tensor:
+        return out
+
+    def before_mlp(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return x, None
+
+    def around_mlp(self, out: torch.Tensor, saved: Any) -> torch.Tensor:
+        return out
+
     def context_kv(self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> KV:
         """This layer's keys and values of the fused context [B, L, H] at its positions' RoPE: [B, kv heads, L, d]."""
         attn = self.self_attn
@@ -193,7 +207,8 @@ class DFlashLayer(nn.Module):
         """h [B, n, S, H] (n blocks of S slots); cos/sin at the slots' positions [B, n*S, d]."""
         attn = self.self_attn
         batch, n, size, hidden = h.shape
-        x = self.input_layernorm(h).reshape(batch, n * size, hidden)
+        x, x_kernel = self.before_attention(self.input_layernorm(h))
+        x = x.reshape(batch, n * size, hidden)
         q = attn.heads_of(x, attn.q_proj, attn.q_norm)
         k = attn.heads_of(x, attn.k_proj, attn.k_norm)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
@@ -208,8 +223,9 @@ class DFlashLayer(nn.Module):
             repeat_kv(v, groups).reshape(blocks),
             visible,
         )
-        h = h + attn.o_proj(out.permute(0, 2, 3, 1, 4).reshape(batch, n, size, -1))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.around_attention(attn.o_proj(out.permute(0, 2, 3, 1, 4).reshape(batch, n, size, -1)), x_kernel)
+        x, kernel = self.before_mlp(self.post_attention_layernorm(h))
+        return h + self.around_mlp(self.mlp(x), kernel)
 
 
 class DFlashDraft(nn.Module):
@@ -225,7 +241,7 @@ class DFlashDraft(nn.Module):
         hidden = qwen3.hidden_size
         self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, hidden, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=qwen3.rms_norm_eps)
-        self.layers = nn.ModuleList([DFlashLayer(qwen3) for _ in range(qwen3.num_hidden_layers)])
+        self.layers = nn.ModuleList([self.make_layer(config) for _ in range(qwen3.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(hidden, eps=qwen3.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.embed_tokens = nn.Embedding(config.target_vocab_size, hidden)
@@ -239,6 +255,10 @@ class DFlashDraft(nn.Module):
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
         self.gradient_checkpointing = False
+
+    def make_layer(self, config: DFlashConfig) -> DFlashLayer:
+        """One decoder layer of the draft (a family whose layers differ builds its own)."""
+        return DFlashLayer(config.qwen3)
 
     def context(self, aux: torch.Tensor, positions: torch.Tensor) -> list[KV]:
         """Every layer's keys and values of the target's states aux [B, L, A*H_target] at `positions` [B, L]."""
@@ -279,6 +299,18 @@ class DFlashDraft(nn.Module):
         """Draft-vocab logits of proposing slots' outputs `normed` [..., P, H]; `previous` [..., P] (target ids: the
         token before each slot's own) is read by drafts whose slots depend on it (DSpark)."""
         return self.lm_head(normed)
+
+    def selector_logits(
+        self, normed: torch.Tensor, previous: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A candidate selector's training scores [..., k] over each slot's top-k with `targets` [...] injected
+        where missing, and the target's rank among them [...]; None: the draft has no selector."""
+        return None
+
+    @property
+    def selects_candidates(self) -> bool:
+        """Whether `selector_logits` reranks each slot's candidates (a candidate selector)."""
+        return False
 
     @property
     def predicts_acceptance(self) -> bool:

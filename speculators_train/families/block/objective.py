@@ -72,8 +72,8 @@ class Scoring(NamedTuple):
 def score_blocks(
     s: Scoring, h: torch.Tensor, slots: torch.Tensor, scored: torch.Tensor, before: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
-    """One chunk of blocks [B, c, P]: the weighted loss sum, the confidence BCE sum and absolute error sum, each
-    slot's divergence and whether it is right."""
+    """One chunk of blocks [B, c, P]: the weighted loss sum, the confidence BCE sum and absolute error sum, the
+    selector's weighted cross-entropy sum, each slot's divergence and whether it is right."""
     style, gamma, alpha = s.weighting
     lg = s.draft.slot_logits(h, before).float()
     with torch.no_grad():
@@ -89,8 +89,14 @@ def score_blocks(
         losses = F.binary_cross_entropy_with_logits(confidence.float(), accept, reduction="none")
         bce = (decay * losses * scored).sum()
         error = ((torch.sigmoid(confidence.detach().float()) - accept).abs() * scored).sum()
+    selection = torch.zeros((), device=div.device)
+    selected = s.draft.selector_logits(h, before, lg, target.argmax(-1))
+    if selected is not None:  # speculators' selector loss: k-way CE at the slot's position weight
+        candidate_scores, rank = selected
+        ce = F.cross_entropy(candidate_scores.flatten(0, -2).float(), rank.flatten(), reduction="none")
+        selection = (weights * ce.view_as(rank) * scored).sum()
     right = lg.argmax(-1) == target.argmax(-1)
-    return (weights * div * scored).sum(), bce, error, div.detach(), right
+    return (weights * div * scored).sum(), bce, error, selection, div.detach(), right
 
 
 def block_loss(
@@ -102,12 +108,14 @@ def block_loss(
     max_anchors: int,
     kind: Divergence,
     training: bool,
-    confidence_weight: float = 0.0,
+    auxiliary: tuple[float, float] = (0.0, 0.0),
 ) -> tuple[torch.Tensor, Sums]:
     """The loss over the first `positions` proposing slots of each block, and the metric sums. `weighting`:
-    (position_weight, gamma, dpace_alpha). A draft that predicts its acceptance (`confidence_logits`) adds
-    `confidence_weight` times its BCE against the slot's analytical acceptance 1 - TV(target, draft), not
-    differentiated, with the exp-decay weights (speculators' DSpark loss)."""
+    (position_weight, gamma, dpace_alpha); `auxiliary`: (confidence_weight, selector_weight). A draft that predicts
+    its acceptance (`confidence_logits`) adds confidence_weight times its BCE against the slot's analytical
+    acceptance 1 - TV(target, draft), not differentiated, with the exp-decay weights (speculators' DSpark loss); one
+    with a candidate selector (`selector_logits`) adds selector_weight times the selector's cross-entropy at the
+    position weights (speculators' DFlash2 loss)."""
     ids, aux, final, mask = batch["input_ids"], batch["aux_hidden_states"], batch["hidden_state"], batch["loss_mask"]
     length = ids.shape[1]
     trained = mask[:, 1:].bool()  # index j: x_{j+1} is an assistant token, the only targets a block is scored on
@@ -131,14 +139,17 @@ def block_loss(
     ok = inside & in_vocab[rows]  # ... and the target's top-1 is in the draft vocabulary: scored
     chunk = chunk_rows(ids.shape[0] * positions, draft.config.draft_vocab_size)
     scoring = Scoring(draft, head, picked, weight, kind, weighting, positions)
-    weighted, bce, error, div, right = chunked(partial(score_blocks, scoring), chunk, out, rows, ok, previous)
+    parts = chunked(partial(score_blocks, scoring), chunk, out, rows, ok, previous)
+    weighted, bce, error, selection, div, right = parts
     count = ok.sum()
     total = global_counts(count[None])[0] if training else count.clamp(min=1)
-    loss = (weighted + confidence_weight * bce) / total
+    loss = (weighted + auxiliary[0] * bce + auxiliary[1] * selection) / total
     sums: Sums = {"vocab_coverage": ratio(ok[..., 0].sum(), inside[..., 0].sum())}
     if draft.predicts_acceptance:
         sums["confidence_loss"] = ratio(bce.detach(), count)
         sums["confidence_error"] = ratio(error, count)
+    if draft.selects_candidates:
+        sums["selector_loss"] = ratio(selection.detach(), count)
     chains = ChainAccuracy()
     for d in range(positions):
         scored = ok[..., d]
@@ -159,13 +170,15 @@ class DFlashObjective(Objective):
         weighting: tuple[str, float, float],
         max_anchors: int,
         kind: Divergence,
-        confidence_weight: float = 0.0,
+        auxiliary: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         super().__init__(draft, head)
         self.steps, self.weighting, self.max_anchors, self.kind = positions, weighting, max_anchors, kind
-        self.confidence_weight = confidence_weight
+        self.auxiliary = auxiliary
         if draft.predicts_acceptance:
             self.totals = (*self.totals, "confidence_loss", "confidence_error")
+        if draft.selects_candidates:
+            self.totals = (*self.totals, "selector_loss")
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Sums]:
         return block_loss(
@@ -177,5 +190,5 @@ class DFlashObjective(Objective):
             self.max_anchors,
             self.kind,
             self.training,
-            self.confidence_weight,
+            self.auxiliary,
         )

@@ -44,7 +44,7 @@ class DSparkFamily(DFlashFamily):
         divergence: str | None = None,
     ) -> DFlashObjective:
         objective = super().objective(draft, head, settings, depth, divergence)
-        objective.confidence_weight = settings.confidence_weight
+        objective.auxiliary = (settings.confidence_weight, 0.0)
         return objective
 
     def proposer(self, draft: DSparkDraft, target: Target) -> DSparkProposer:

@@ -1,0 +1,52 @@
+"""DFlash2 as a registered family: DFlash's backbone (`families/block/`) over the target's whole vocabulary, with
+convolutions across a block's slots and a candidate selector; the speculators format vLLM serves as `method: dflash`
+with the `DFlash2DraftModel` architecture."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from speculators_train.families.block.family import DFlashFamily
+from speculators_train.families.block.objective import DFlashObjective
+from speculators_train.families.dflash2.model import DFlash2Config, DFlash2Draft, checked_dflash2_config
+from speculators_train.families.dflash2.proposer import DFlash2Proposer
+from speculators_train.families.dflash2.settings import Settings
+from speculators_train.head import TargetHead
+from speculators_train.target import Target
+
+OPTIONS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+class DFlash2Family(DFlashFamily):
+    name = "dflash2"
+    settings = Settings
+    title = "DFlash2 draft"
+    draft_type = DFlash2Draft
+    config_type = DFlash2Config
+
+    def config_from_dict(self, saved: dict[str, Any]) -> DFlash2Config:
+        return checked_dflash2_config(saved)
+
+    def draft_config(
+        self, settings: Settings, target_config: Any, aux_layer_ids: list[int], draft_vocab_size: int
+    ) -> DFlash2Config:
+        base = super().draft_config(settings, target_config, aux_layer_ids, draft_vocab_size)
+        return DFlash2Config(**base.to_dict(), **{name: getattr(settings, name) for name in OPTIONS})
+
+    def objective(
+        self,
+        draft: DFlash2Draft,
+        head: TargetHead,
+        settings: Settings,
+        depth: int | None = None,
+        divergence: str | None = None,
+    ) -> DFlashObjective:
+        objective = super().objective(draft, head, settings, depth, divergence)
+        objective.auxiliary = (0.0, settings.selector_weight)
+        return objective
+
+    def proposer(self, draft: DFlash2Draft, target: Target) -> DFlash2Proposer:
+        return DFlash2Proposer(draft, self.states(draft.config))
+
+
+FAMILY = DFlash2Family()
