@@ -144,14 +144,15 @@ def test_llamacpp_refuses_nothing_we_export_and_we_refuse_what_it_would_run_wron
 
 
 @pytest.mark.timeout(3600)  # the first run on a machine builds llama.cpp (10-20 minutes on 2 cores)
-@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark", "dflash2"])
 def test_llamacpp_with_our_draft_gives_its_own_target_only_output_on_an_unquantized_target(
     tmp_path, target, fitted, family
 ):
     """Built once from source (cached); on the F32 target llama.cpp's greedy output must not change with the
     draft, and the draft fitted to this reply must be accepted. DFlash: llama.cpp's converter reads our
     speculators files as its DSpark without a Markov head (`families/block/gguf.py`); DSpark: as written, its
-    Markov and confidence heads included, served with the confidence head stopping chains (p_min)."""
+    Markov and confidence heads included, served with the confidence head stopping chains (p_min); DFlash2: in
+    z-lab's flat layout through its DFlash class, its convolutions and selector included."""
     recipe, checkpoint, prompt, _ = fitted(family)
     fmt = get(family).formats["gguf"]
     out = export(recipe, checkpoint, "gguf", tmp_path / "gguf", dtype="float32").path
@@ -164,9 +165,16 @@ def test_llamacpp_with_our_draft_gives_its_own_target_only_output_on_an_unquanti
         assert fields["dflash.target_layers"].contents() == list(cfg.aux_layer_ids) == target.aux_layer_ids
         assert fields["dflash.block_size"].contents() == cfg.block_size
         assert fields["tokenizer.ggml.mask_token_id"].contents() == cfg.mask_token_id
-        assert fields["dflash.sample_from_anchor"].contents() == (family == "dspark")
+        anchor = fields.get("dflash.sample_from_anchor")  # absent: llama.cpp's default, false
+        assert (anchor is not None and anchor.contents()) == (family == "dspark")
         heads = {"markov_w1.weight", "markov_w2.weight", "conf_proj.weight"}
-        assert (heads <= {t.name for t in reader.tensors}) == (family == "dspark")
+        names = {t.name for t in reader.tensors}
+        assert (heads <= names) == (family == "dspark")
+        selector = {"selector_predecessor.weight", "selector_successor.weight", "blk.0.attn_conv_proj.weight"}
+        assert (selector <= names) == (family == "dflash2"), names
+        if family == "dflash2":
+            options = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+            assert [fields[f"dflash.{key}"].contents() for key in options] == [getattr(cfg, key) for key in options]
     args = draft_args(out / fmt.draft_file, fmt.llamacpp_spec_type, 3, 0.05 if family == "dspark" else 0.0)
     reference, drafted = decoded(recipe, args, prompt, tmp_path)
     assert drafted.tokens == reference.tokens

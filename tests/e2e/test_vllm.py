@@ -7,6 +7,7 @@ reference is decoded once for the module."""
 import json
 import re
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -269,15 +270,35 @@ def test_vllm_serves_each_family_from_the_printed_command_with_the_targets_outpu
     assert decoded.counts.drafts > 0 and decoded.counts.accepted > 0, decoded.counts
 
 
+def read_as_trained(family: str, parsed: Any, draft: Any) -> str:
+    """Assert vLLM's reading of a GPU-only export's own options (`parsed`) against the trained config; return the
+    item its V1 model runner refuses."""
+    if family == "dspark":
+        assert parsed.architectures == ["Qwen3DSparkModel"]
+        assert parsed.target_layer_ids == [i - 1 for i in draft.aux_layer_ids]
+        assert (parsed.sample_from_anchor, parsed.dspark_bonus_anchor, parsed.block_size) == (True, False, 4)
+        assert (parsed.markov_rank, parsed.markov_head_type) == (draft.markov_rank, "vanilla")
+        assert parsed.enable_confidence_head is True and parsed.confidence_head_with_markov is True
+        return "dspark speculative decoding"
+    assert family == "dflash2", f"say what vLLM must read from a {family} export"
+    assert parsed.architectures == ["DFlash2DraftModel"]
+    options = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    assert {k: parsed.dflash_config[k] for k in options} == {k: getattr(draft, k) for k in options}
+    assert parsed.dflash_config["target_layer_ids"] == [i - 1 for i in draft.aux_layer_ids]
+    assert parsed.dflash_config["sample_from_anchor"] is False
+    return "DFlash candidate-head drafts"
+
+
 @pytest.mark.parametrize(
     "family", [s.model_fields["family"].default for s in settings_types() if s.vllm_format and s.vllm_needs_gpu]
 )
 def test_vllm_reads_a_gpu_only_export_as_trained_and_its_cpu_build_stops_where_it_says(
     family, target, reference, fitted, tmp_path, capsys
 ):
-    """DSpark: vLLM's speculators reader and model registry take our export (its Qwen3 DSpark class, the aux ids,
-    every slot proposing, the heads as written, blocks bidirectional), and this CPU build stops at its own rule: the
-    V1 model runner refuses `method: dspark`, and V2 needs Triton. A GPU build serves it from the printed line."""
+    """DSpark and DFlash2: vLLM's speculators reader and model registry take our export (its draft class, the aux
+    ids, the family's options as written, blocks bidirectional), and this CPU build stops at its own rule: the V1
+    model runner refuses the method (DSpark) or the candidate head (DFlash2), and V2 needs Triton. A GPU build
+    serves it from the printed line."""
     from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
 
     from speculators_train.engines.vllm import Engine
@@ -288,17 +309,16 @@ def test_vllm_reads_a_gpu_only_export_as_trained_and_its_cpu_build_stops_where_i
     out = tmp_path / "export"
     argv = ["export", str(recipe.source_path), "--checkpoint", str(checkpoint), "--out", str(out), "--dtype", "float32"]
     spec = printed_speculative_config(capsys, argv)
-    assert spec["method"] == family
     parsed = vllm_config(out)
     draft = load_draft(out, target.num_layers).draft.config
-    assert parsed.architectures == ["Qwen3DSparkModel"] and parsed.draft_vocab_size == draft.draft_vocab_size
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    vllm_spec = SpeculatorsConfig.extract_vllm_speculative_config(json.loads((out / "config.json").read_text()))
+    assert spec["method"] == vllm_spec["method"] == {"dflash2": "dflash"}.get(family, family)
+    assert parsed.draft_vocab_size == draft.draft_vocab_size
     assert parsed.eagle_aux_hidden_state_layer_ids == target.aux_layer_ids
-    assert parsed.target_layer_ids == [i - 1 for i in target.aux_layer_ids]
-    assert (parsed.sample_from_anchor, parsed.dspark_bonus_anchor, parsed.block_size) == (True, False, 4)
-    assert (parsed.markov_rank, parsed.markov_head_type) == (draft.markov_rank, "vanilla")
-    assert parsed.enable_confidence_head is True and parsed.confidence_head_with_markov is True
     assert dflash_has_any_non_causal(parsed)
-    refusal = f"Model Runner V1 does not support: {family} speculative decoding"
+    refusal = f"Model Runner V1 does not support: {read_as_trained(family, parsed, draft)}"
     with pytest.raises(UserError, match=refusal), Engine(hf_dir, spec, in_process=True):
         pass
 
