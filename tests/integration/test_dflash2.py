@@ -4,7 +4,6 @@ before."""
 
 import json
 
-import pytest
 import torch
 
 from speculators_train.export.run import export
@@ -15,7 +14,8 @@ from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain
 from speculators_train.verify.run import eos_ids, load_draft_for
 from tests.conftest import SHAREGPT, chat, make_recipe
-from tests.integration.test_dflash import MASK_ID
+from tests.integration import test_dflash
+from tests.integration.test_dflash import MASK_ID, their_backbone
 from tests.integration.test_verify import GREEDY
 
 
@@ -39,12 +39,7 @@ def random_dflash2(target, block_size: int = 4) -> DFlash2Draft:
     return draft.to(target.device).eval()
 
 
-@pytest.fixture(scope="module")
-def conversation(target):
-    prompt = chat(target, "Explain what a hash table is in two sentences.")
-    ids = prompt + decode_plain(target, prompt, 24, set(), GREEDY).tokens
-    aux, final = target.hidden_states(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
-    return ids, aux, final
+conversation = test_dflash.conversation  # the prompt and reply DFlash's tests use, per module
 
 
 def test_speculators_library_loads_our_dflash2_export_and_computes_the_same_scores(tmp_path, target, conversation):
@@ -69,20 +64,9 @@ def test_speculators_library_loads_our_dflash2_export_and_computes_the_same_scor
     with torch.no_grad():
         theirs.embed_tokens.weight.copy_(target.embed_tokens.weight)
 
-    ids, aux, final = conversation
-    length = len(ids)
-    loss_mask = torch.zeros(1, length, dtype=torch.long)
-    loss_mask[0, length - 24 :] = 1
-    anchors = torch.nonzero(loss_mask[0, : length - 4]).flatten()
+    ids, aux, _ = conversation
     with torch.no_grad():
-        hidden, logits, _, _, indices = theirs._backbone_forward(
-            hidden_states=aux,
-            input_ids=torch.tensor([ids]),
-            loss_mask=loss_mask,
-            verifier_last_hidden_states=final,
-            document_ids=torch.zeros(1, length, dtype=torch.long),
-            max_anchors=anchors.numel(),
-        )
+        anchors, (hidden, logits, _, _, indices) = their_backbone(theirs, conversation, 4)
         previous = theirs._predecessor_ids(torch.tensor([ids]), indices)
         candidates = logits.topk(8, dim=-1).indices
         their_scores = theirs.candidate_selector.score_candidates(logits, hidden, previous.reshape(1, -1), candidates)
