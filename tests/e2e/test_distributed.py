@@ -103,11 +103,12 @@ def test_fsdp2_in_one_process_trains_like_plain_training(tmp_path, states, singl
 def test_every_family_trains_under_fsdp2_like_one_rank_and_exports_the_same_draft(tmp_path, states):
     """One launch of two FSDP2 ranks trains a small draft of each family for three steps; one process trains the
     same drafts with the same global batch. Losses agree at every step, and the exports (float32, so no rounding
-    of near-equal weights can differ) have the same files, configs and tensors. P-EAGLE trains one depth and DFlash
-    keeps every anchor: past depth 1 P-EAGLE's chains, and DFlash's anchors, are drawn from each rank's own
-    generator, a draw one rank cannot repeat (FSDP2 and DDP agree there: 2 ranks give the same losses either way)."""
+    of near-equal weights can differ) have the same files, configs and tensors. P-EAGLE trains one depth and the
+    block drafts keep every anchor: past depth 1 P-EAGLE's chains, and a block draft's anchors, are drawn from each
+    rank's own generator, a draw one rank cannot repeat (FSDP2 and DDP agree there: 2 ranks give the same losses
+    either way)."""
     from speculators_train.export.run import export
-    from speculators_train.families import FAMILIES
+    from speculators_train.families import FAMILIES, get
     from speculators_train.recipe import load_recipe
     from speculators_train.training.trainer import Trainer
     from tests.conftest import FIT_SETTINGS
@@ -115,9 +116,11 @@ def test_every_family_trains_under_fsdp2_like_one_rank_and_exports_the_same_draf
     assert set(FIT_SETTINGS) == set(FAMILIES)
     budget = {"epochs": 1, "max_steps": 3, "learning_rate": 1e-3}
     one, two = {}, {}
-    every_sample = {"peagle": {"depths": 1}, "dflash": {"max_anchors": 512}}
+    every_sample = {"peagle": {"depths": 1}}
     for family, settings in FIT_SETTINGS.items():
         draft = {"family": family, **settings, **every_sample.get(family, {})}
+        if "max_anchors" in get(family).settings.model_fields:  # a block draft: every anchor, none drawn
+            draft["max_anchors"] = 512
         one[family] = run_recipe(tmp_path / family / "one", states, training=budget, draft=draft)
         two[family] = run_recipe(
             tmp_path / family / "two", states, training={**budget, "batch_size": 2, "fsdp": {}}, draft=draft
