@@ -66,7 +66,8 @@ class DFlashFamily(EagleFamily):
         kind = divergence or settings.loss
         if kind != "ce" and weighting[0] == "dpace":  # D-PACE reads confidence from a cross-entropy
             weighting = ("exp_decay", settings.gamma, settings.dpace_alpha)
-        return DFlashObjective(draft, head, min(depth or slots, slots), weighting, settings.max_anchors, kind)
+        positions = min(depth or slots, slots)
+        return DFlashObjective(draft, head, positions, weighting, settings.max_anchors, kind, settings.auxiliary)
 
     def proposer(self, draft: DFlashDraft, target: Target) -> DFlashProposer:
         return DFlashProposer(draft, self.states(draft.config))

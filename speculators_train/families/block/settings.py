@@ -42,6 +42,11 @@ class Settings(FamilySettings):
     formats: ClassVar[dict[str, str]] = {"speculators": "formats:DFlashFormat", "gguf": "gguf:GGUFFormat"}
     own_attention: ClassVar[bool] = True  # Llama/Qwen3 decoder layers of its own
 
+    @property
+    def auxiliary(self) -> tuple[float, float]:
+        """The weights of the draft's own terms beside the divergence: (confidence BCE, candidate selector CE)."""
+        return (0.0, 0.0)
+
     def recipe_problems(self, recipe: Any) -> list[str]:
         problems = []
         if recipe.data.max_length <= self.block_size:

@@ -7,14 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from speculators_train.families.block.family import DFlashFamily
-from speculators_train.families.block.objective import DFlashObjective
-from speculators_train.families.dflash2.model import DFlash2Config, DFlash2Draft, checked_dflash2_config
+from speculators_train.families.dflash2.model import OPTIONS, DFlash2Config, DFlash2Draft, checked_dflash2_config
 from speculators_train.families.dflash2.proposer import DFlash2Proposer
 from speculators_train.families.dflash2.settings import Settings
-from speculators_train.head import TargetHead
 from speculators_train.target import Target
-
-OPTIONS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 class DFlash2Family(DFlashFamily):
@@ -32,18 +28,6 @@ class DFlash2Family(DFlashFamily):
     ) -> DFlash2Config:
         base = super().draft_config(settings, target_config, aux_layer_ids, draft_vocab_size)
         return DFlash2Config(**base.to_dict(), **{name: getattr(settings, name) for name in OPTIONS})
-
-    def objective(
-        self,
-        draft: DFlash2Draft,
-        head: TargetHead,
-        settings: Settings,
-        depth: int | None = None,
-        divergence: str | None = None,
-    ) -> DFlashObjective:
-        objective = super().objective(draft, head, settings, depth, divergence)
-        objective.auxiliary = (0.0, settings.selector_weight)
-        return objective
 
     def proposer(self, draft: DFlash2Draft, target: Target) -> DFlash2Proposer:
         return DFlash2Proposer(draft, self.states(draft.config))

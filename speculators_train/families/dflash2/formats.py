@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from speculators_train.families.block.formats import DFlashFormat, load_dflash
-from speculators_train.families.dflash2.model import DFlash2Draft, checked_dflash2_config
+from speculators_train.families.dflash2.model import OPTIONS, DFlash2Draft, checked_dflash2_config
 from speculators_train.families.format_common import proposal_config
 
-OPTIONS = {name: name for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}
+KEYS = {name: name for name in OPTIONS}  # the file spells each option as the config does
 
 
 class DFlash2Format(DFlashFormat):
@@ -30,7 +30,7 @@ class DFlash2Format(DFlashFormat):
         return config.get("speculators_model_type") == "dflash2"
 
     def read(self, path: Path, config: dict[str, Any], target_num_layers: int) -> tuple[DFlash2Draft, bool]:
-        return load_dflash(path, config, target_num_layers, OPTIONS, (DFlash2Draft, checked_dflash2_config))
+        return load_dflash(path, config, target_num_layers, KEYS, (DFlash2Draft, checked_dflash2_config))
 
     def write(
         self, draft: DFlash2Draft, dtype: str, verifier: str, architectures: list[str], k: int
@@ -40,6 +40,6 @@ class DFlash2Format(DFlashFormat):
             architectures=["DFlash2DraftModel"],
             speculators_model_type="dflash2",
             speculators_config=proposal_config("dflash2", k, verifier, architectures),
-            **{key: getattr(draft.config, field) for field, key in OPTIONS.items()},
+            **{key: getattr(draft.config, field) for field, key in KEYS.items()},
         )
         return config, tensors

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from speculators_train.families.block.gguf import GGUFFormat as BlockGGUF
-from speculators_train.families.dflash2.formats import OPTIONS, DFlash2Format
+from speculators_train.families.dflash2.formats import DFlash2Format
+from speculators_train.families.dflash2.model import OPTIONS
 
 
 class GGUFFormat(BlockGGUF, DFlash2Format):
@@ -24,6 +25,6 @@ class GGUFFormat(BlockGGUF, DFlash2Format):
             "target_layer_ids": [i - 1 for i in config["aux_hidden_state_layer_ids"]],
             "block_size": config["block_size"],
             "causal": False,
-            **{key: config[key] for key in OPTIONS.values()},
+            **{key: config[key] for key in OPTIONS},
         }
         return {**config, **config["transformer_layer_config"], "dflash_config": dflash}

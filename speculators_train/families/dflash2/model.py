@@ -22,6 +22,8 @@ from torch import nn
 from speculators_train.families.block.model import DFlashConfig, DFlashDraft, DFlashLayer, checked_dflash_config
 from speculators_train.families.draft_config import Bounded, draft_config, spelled
 
+OPTIONS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # DFlash2's, beside DFlash's
+
 
 @draft_config
 class DFlash2Config(DFlashConfig):

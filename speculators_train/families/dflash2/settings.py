@@ -39,6 +39,10 @@ class Settings(BlockSettings):
     formats: ClassVar[dict[str, str]] = {"speculators": "formats:DFlash2Format", "gguf": "gguf:GGUFFormat"}
     vllm_needs_gpu: ClassVar[bool] = True  # vLLM's V1 runner refuses DFlash candidate-head drafts
 
+    @property
+    def auxiliary(self) -> tuple[float, float]:
+        return (0.0, self.selector_weight)
+
     def recipe_problems(self, recipe: Any) -> list[str]:
         problems = super().recipe_problems(recipe)
         if self.conv_kernel_size > self.block_size:

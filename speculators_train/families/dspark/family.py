@@ -9,11 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from speculators_train.families.block.family import DFlashFamily
-from speculators_train.families.block.objective import DFlashObjective
 from speculators_train.families.dspark.model import DSparkConfig, DSparkDraft, checked_dspark_config
 from speculators_train.families.dspark.proposer import DSparkProposer
 from speculators_train.families.dspark.settings import Settings
-from speculators_train.head import TargetHead
 from speculators_train.target import Target
 
 
@@ -34,18 +32,6 @@ class DSparkFamily(DFlashFamily):
     ) -> DSparkConfig:
         base = super().draft_config(settings, target_config, aux_layer_ids, draft_vocab_size)
         return DSparkConfig.with_heads(base, settings)
-
-    def objective(
-        self,
-        draft: DSparkDraft,
-        head: TargetHead,
-        settings: Settings,
-        depth: int | None = None,
-        divergence: str | None = None,
-    ) -> DFlashObjective:
-        objective = super().objective(draft, head, settings, depth, divergence)
-        objective.auxiliary = (settings.confidence_weight, 0.0)
-        return objective
 
     def proposer(self, draft: DSparkDraft, target: Target) -> DSparkProposer:
         return DSparkProposer(draft, self.states(draft.config))

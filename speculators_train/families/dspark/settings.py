@@ -41,6 +41,10 @@ class Settings(DFlashSettings):
     predicts_acceptance: ClassVar[bool] = True
     vllm_needs_gpu: ClassVar[bool] = True  # vLLM's V1 runner refuses `method: dspark` (tests/e2e/test_vllm.py)
 
+    @property
+    def auxiliary(self) -> tuple[float, float]:
+        return (self.confidence_weight, 0.0)
+
     def recipe_problems(self, recipe: Any) -> list[str]:
         problems = super().recipe_problems(recipe)
         if self.confidence_head and self.confidence_head_with_markov and not self.markov_rank:
