@@ -119,3 +119,11 @@ def recurrent_layers(config: Any) -> list[str]:
 def uses_mla(config: Any) -> bool:
     """Multi-head latent attention (DeepSeek-V2/V3, Kimi): keys and values compressed through a low-rank cache."""
     return bool(getattr(text_config(config), "kv_lora_rank", None))
+
+
+def nextn_layer_prefixes(config: Any) -> tuple[str, ...]:
+    """Where a checkpoint keeps the target's own MTP layers (DeepSeek-V3, GLM-4.5: `model.layers.{n + i}` for the
+    `num_nextn_predict_layers` after its n decoder layers), which transformers' model does not build."""
+    text = config.get_text_config()
+    n, extra = text.num_hidden_layers, getattr(text, "num_nextn_predict_layers", 0) or 0
+    return tuple(f"model.layers.{n + i}." for i in range(extra))

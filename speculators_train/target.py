@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from speculators_train.architectures import is_composite, model_class, text_config, text_decoder
+from speculators_train.architectures import is_composite, model_class, nextn_layer_prefixes, text_config, text_decoder
 from speculators_train.errors import UserError
 from speculators_train.head import TargetHead, logit_softcap, meta_model, softcapped
 from speculators_train.loading import describe, reading
@@ -358,7 +358,9 @@ def load_target(cfg: TargetConfig, weights: bool = True) -> Target:
             f"could not load target {cfg.name_or_path!r}: its weights lack {len(missing)} tensors of the model "
             f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
         )
-    if unexpected := sorted(info["unexpected_keys"]):  # e.g. a config.json that names fewer layers than the weights
+    nextn = nextn_layer_prefixes(config)
+    # e.g. a config.json that names fewer layers than the weights; a target's own MTP layers are not the model's
+    if unexpected := sorted(k for k in info["unexpected_keys"] if not k.startswith(nextn)):
         raise UserError(
             f"could not load target {cfg.name_or_path!r}: its weights hold {len(unexpected)} tensors its config.json "
             f"does not describe ({', '.join(unexpected[:3])}{', ...' if len(unexpected) > 3 else ''}); the config "

@@ -173,6 +173,7 @@ def fit(target, tmp: Path, family: str = "eagle3", **settings):
     import torch
 
     from speculators_train.families import get
+    from speculators_train.head import HEAD_NORM_PREFIX
     from speculators_train.recipe import load_recipe
     from speculators_train.training.checkpoint import save_checkpoint
 
@@ -182,6 +183,7 @@ def fit(target, tmp: Path, family: str = "eagle3", **settings):
     prompt, full, aux, final = replied(target)
     freq = torch.bincount(full[0], minlength=target.vocab_size).float()
     head = {"embed": target.embed_tokens.weight, "lm_head": target.lm_head.weight, "norm": target.final_norm.weight}
+    head.update({HEAD_NORM_PREFIX + name: p for name, p in target.final_norm.state_dict().items()})
     settings_ = fam.settings(**{**FIT_SETTINGS[family], **settings})
     torch.manual_seed(0)
     start = start_of(target.config, head, freq, target.aux_layer_ids, target.name_or_path)

@@ -70,26 +70,49 @@ def _version(*packages: str) -> str | None:
 # Run in a child process: importing vLLM takes seconds and changes process-wide settings. argv: architectures.
 _VLLM_PROBE = r"""
 import json, sys
+from transformers import PretrainedConfig
+from transformers.models.auto import modeling_auto
+from vllm.config.speculative import SpeculativeConfig
 from vllm.model_executor.models.interfaces import supports_eagle3
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.platforms import current_platform
+
+
+def nextn_class(arch):
+    # The class vLLM's MTP method drafts with for a target of this architecture: vLLM rewrites the target's config to
+    # its MTP model in `hf_config_override`; an architecture it leaves as it is has none.
+    # (its rules read the model type too, and an empty one matches a test written `in ("pangu_ultra_moe")`)
+    auto = modeling_auto
+    names = {**auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, **auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES}
+    model_type = next((t for t, name in names.items() if name == arch), None)
+    if model_type is None:
+        return None
+    config = PretrainedConfig(architectures=[arch], num_nextn_predict_layers=1)
+    config.model_type = model_type
+    try:
+        drafted = SpeculativeConfig.hf_config_override(config).architectures[0]
+    except Exception:
+        return None
+    return drafted if drafted != arch and drafted in ModelRegistry.models else None
+
 
 out = {"cpu": current_platform.is_cpu(), "classes": {}}
 for arch in sys.argv[1:]:
     entry = ModelRegistry.models.get(arch)
     if entry is None:
-        out["classes"][arch] = {"registered": False}
+        out["classes"][arch] = {"registered": False, "nextn_class": None}
         continue
     try:
         cls = entry.load_model_cls()
-        out["classes"][arch] = {"registered": True, "name": cls.__name__, "states": bool(supports_eagle3(cls))}
+        facts = {"registered": True, "name": cls.__name__, "states": bool(supports_eagle3(cls))}
     except Exception as exc:
-        out["classes"][arch] = {"registered": True, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        facts = {"registered": True, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    out["classes"][arch] = {**facts, "nextn_class": nextn_class(arch)}
 print(json.dumps(out))
 """
 
 
-FACTS_LAYOUT = 1  # the shape of a cached answer: a new shape is a new cache file
+FACTS_LAYOUT = 2  # the shape of a cached answer: a new shape is a new cache file
 
 
 def vllm_facts(architectures: list[str]) -> dict[str, dict[str, Any]] | None:
@@ -116,11 +139,16 @@ def vllm_facts(architectures: list[str]) -> dict[str, dict[str, Any]] | None:
 
 
 def vllm_serving(
-    target_config: Any, reads_target_states: bool, own_attention: bool, needs_gpu: bool = False
+    target_config: Any,
+    reads_target_states: bool,
+    own_attention: bool,
+    needs_gpu: bool = False,
+    nextn_classes: tuple[str, ...] = (),
 ) -> Serving:
     """Whether vLLM serves a draft on this target: `reads_target_states`, a draft reading the target's
     intermediate states; `own_attention`, one with attention layers of its own (not the target's kind);
-    `needs_gpu`, one whose method only vLLM's V2 model runner runs."""
+    `needs_gpu`, one whose method only vLLM's V2 model runner runs; `nextn_classes`, an extra layer of the
+    target's own (vLLM's MTP method) in the weight layout these vLLM MTP classes read."""
     out = Serving("vllm")
     architecture = (getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])[0]
     known = vllm_facts([architecture])
@@ -134,6 +162,13 @@ def vllm_serving(
         out.problems.append(
             f"vLLM runs {architecture} as {facts['name']}, which does not implement SupportsEagle3: it cannot hand "
             "the draft the target's intermediate states"
+        )
+    if nextn_classes and facts.get("nextn_class") not in nextn_classes:
+        out.problems.append(
+            "vLLM has no MTP model for the target's architecture (its `hf_config_override` maps it to none)"
+            if facts.get("nextn_class") is None
+            else f"vLLM drafts MTP for {architecture} with {facts['nextn_class']}, whose weight layout is not this "
+            f"export's (written for {', '.join(nextn_classes)})"
         )
     if facts["cpu"] and needs_gpu:
         out.here.append("vLLM runs this draft's method in its V2 model runner only, which needs Triton: a GPU build")
@@ -333,7 +368,9 @@ def serving(engine: str, target: Any, target_config: Any, settings: Any) -> Serv
     (its `TargetConfig`; `target_config` is its transformers config)."""
     reads = settings.target_states == "aux+final"
     if engine == "vllm":
-        return vllm_serving(target_config, reads, settings.own_attention, settings.vllm_needs_gpu)
+        return vllm_serving(
+            target_config, reads, settings.own_attention, settings.vllm_needs_gpu, settings.vllm_mtp_classes
+        )
     return llamacpp_serving(target_config, gguf_architecture(target), reads)
 
 

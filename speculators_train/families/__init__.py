@@ -19,6 +19,7 @@ FAMILIES = (
     "dflash",  # DFlash: a block of draft tokens from one forward over [anchor, masks], target states as context
     "dspark",  # DSpark: DFlash with every slot proposing, a Markov head on the token before, a confidence head
     "dflash2",  # DFlash2: DFlash with convolutions across a block's slots and a top-k candidate selector
+    "mtp",  # an MTP head: one decoder layer of the target's class over its last state and the next token
     "draft_model",  # a standalone small causal LM with the target's tokenizer (last: its format is a plain folder)
 )
 

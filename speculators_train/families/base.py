@@ -79,6 +79,9 @@ class FamilySettings(Section):
     # None: `eval.engine: vllm` is refused at load, and `verify --engine vllm` exports this format.
     vllm_format: ClassVar[str | None] = "speculators"
     vllm_needs_gpu: ClassVar[bool] = False  # vLLM runs its method in the V2 model runner only (Triton: a GPU build)
+    # A draft that is one more layer of the target's own (`method: mtp`): the vLLM MTP classes that read the weight
+    # layout its vLLM format writes. vLLM serves it only on targets it maps to one of them.
+    vllm_mtp_classes: ClassVar[tuple[str, ...]] = ()
     tree_shapes: ClassVar[tuple[str, ...]] = ("dynamic",)  # eval.tree.shape values its proposer grows
     fine_tunes: ClassVar[bool] = True  # whether training.init_from may name a draft of this family
     target_states: ClassVar[TargetStates] = "aux+final"  # what its objective reads, and `generate` stores

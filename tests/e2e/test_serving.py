@@ -51,6 +51,7 @@ def test_llamacpp_refuses_a_state_reading_draft_on_a_target_that_exports_no_laye
 def vllm_answers():
     """vLLM asked once for every architecture below (one child process; answers cached per vLLM version)."""
     archs = ["LlamaForCausalLM", "Gemma2ForCausalLM", "DeepseekV3ForCausalLM", "Qwen2_5_VLForConditionalGeneration"]
+    archs += ["Glm4MoeForCausalLM", "Qwen3NextForCausalLM"]
     return serving.vllm_facts(archs)
 
 
@@ -71,6 +72,23 @@ def test_vllm_on_cpu_cannot_pair_an_mla_target_with_a_draft_of_its_own_attention
     if vllm_answers["DeepseekV3ForCausalLM"]["cpu"]:
         assert answer.here and "MLA" in answer.here[0]
     assert not serving.vllm_serving(deepseek, reads_target_states=False, own_attention=False).here
+
+
+def test_vllm_serves_an_mtp_head_only_where_it_maps_the_target_to_an_mtp_class_of_the_exports_layout(vllm_answers):
+    """vLLM's own `hf_config_override` names the MTP class for each target: GLM-4.5's reads the layout our MTP
+    export writes; Llama has none; Qwen3-Next's reads another layout (`mtp.*`)."""
+    from speculators_train.families.mtp.settings import Settings
+
+    classes = Settings.vllm_mtp_classes
+    assert serving.vllm_serving(config("glm4_moe", "Glm4MoeForCausalLM"), False, False, nextn_classes=classes).runs_here
+    none = serving.vllm_serving(config("llama", "LlamaForCausalLM"), False, False, nextn_classes=classes)
+    assert none.problems == [
+        "vLLM has no MTP model for the target's architecture (its `hf_config_override` maps it to none)"
+    ]
+    other = serving.vllm_serving(config("qwen3_next", "Qwen3NextForCausalLM"), False, False, nextn_classes=classes)
+    assert other.problems and "with Qwen3NextMTP, whose weight layout is not this export's" in other.problems[0]
+    deepseek = serving.vllm_serving(config("deepseek_v3", "DeepseekV3ForCausalLM"), False, False, nextn_classes=classes)
+    assert not deepseek.problems
 
 
 def test_a_multimodal_class_vllm_cannot_load_here_is_said_to_fail_here_only(vllm_answers):

@@ -1,0 +1,77 @@
+"""The MTP head with the real SmolLM2 target: the proposer's cache, positions and fed-back outputs are the ones
+training and vLLM's MTP proposer use."""
+
+import pytest
+import torch
+
+from speculators_train.families import get
+from speculators_train.head import load_head_weights
+from speculators_train.proposal import Sampling
+from speculators_train.recipe import TargetConfig
+from speculators_train.verify.decoder import decode_plain
+from tests.conftest import chat, start_of
+from tests.integration.test_verify import GREEDY
+
+
+@pytest.fixture(scope="module")
+def head_and_conversation(target):
+    """A random MTP head (its block far from zero, so a wrong position or input shows) and a prompt with the
+    target's reply: (draft, ids, pre-norm final states [L, H])."""
+    family = get("mtp")
+    config, weights = load_head_weights(TargetConfig())
+    torch.manual_seed(0)
+    draft = family.new_draft(family.settings(family="mtp"), start_of(config, weights, torch.ones(1), []))
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.requires_grad and p.dim() > 1:
+                p.normal_(0, 0.05)
+    prompt = chat(target, "Explain what a hash table is in two sentences.")
+    ids = prompt + decode_plain(target, prompt, 24, set(), GREEDY).tokens
+    _, final = target.hidden_states(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
+    return draft.to(target.device).eval(), ids, final[0]
+
+
+def test_each_first_draft_is_trainings_step_zero_at_that_position(target, head_and_conversation):
+    """Committing a conversation a few tokens at a time (the loop's `extend`), the head's first draft after each
+    commit is training's step-0 argmax at the last committed position: the pair (h_p, x_{p+1}) at position p, the
+    embedding zero at p = 0, the cache holding the earlier pairs."""
+    draft, ids, final = head_and_conversation
+    proposer = get("mtp").proposer(draft, target)
+    with torch.no_grad():
+        hidden = target.final_norm(final)[None]
+        out = draft.step(hidden[:, :-1], torch.tensor([ids[1:]]), torch.arange(len(ids) - 1)[None])
+        trained = draft.logits(out)[0].argmax(-1)
+    proposer.reset()
+    committed = 0
+    for size in (5, 1, 3, 7, 2, 4):
+        proposer.extend(ids[committed + 1 : committed + 1 + size], final[committed : committed + size])
+        committed += size
+        drafts, _ = proposer.propose_chain(1, GREEDY, None)
+        assert drafts == [int(trained[committed - 1])], committed
+
+
+def test_later_drafts_feed_the_heads_output_back_at_the_next_position(target, head_and_conversation):
+    """Draft i > 0 reads the head's own pre-norm output at the position before and the token it drafted, at the
+    next position, attending to the committed pairs (vLLM's MTP proposer): one causal pass over those inputs gives
+    the distributions each sampled draft was drawn from. Feeding the post-norm output, the target's state or
+    another position changes them; the drafted positions leave nothing behind for the next proposal."""
+    draft, ids, final = head_and_conversation
+    proposer = get("mtp").proposer(draft, target)
+    proposer.extend(ids[1:20], final[:19])
+    sampling = Sampling(temperature=1.0, draft_sampling="sample")
+    drafts, q = proposer.propose_chain(3, sampling, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = target.final_norm(final[:19])[None]
+        tokens, positions, expected = list(ids[1:20]), list(range(19)), []
+        for i in range(3):
+            out = draft.step(hidden, torch.tensor([tokens]), torch.tensor([positions]))
+            expected.append(torch.softmax(draft.logits(out[0, -1]).float(), dim=-1))
+            hidden = torch.cat([hidden, out[:, -1:]], dim=1)
+            tokens.append(drafts[i])
+            positions.append(19 + i)
+    torch.testing.assert_close(q, torch.stack(expected), rtol=1e-4, atol=1e-6)
+    proposer.extend(ids[20:22], final[19:21])
+    _, q = proposer.propose_chain(1, sampling, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = draft.step(target.final_norm(final[:21])[None], torch.tensor([ids[1:22]]), torch.arange(21)[None])
+    torch.testing.assert_close(q[0], torch.softmax(draft.logits(out[0, -1]).float(), dim=-1), rtol=1e-4, atol=1e-6)
