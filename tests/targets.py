@@ -294,6 +294,22 @@ MATRIX = [
         ("MLA", "MoE"),
     ),
     Arch(
+        "glm4-moe",
+        "glm4_moe",
+        "chatml",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "moe_intermediate_size": WIDTH,
+            "first_k_dense_replace": 1,
+            "n_shared_experts": 1,
+            "num_nextn_predict_layers": 1,
+        },
+        ("MoE", "ships an MTP layer"),
+    ),
+    Arch(
         "qwen2.5-vl",
         "qwen2_5_vl",
         "chatml",
@@ -465,11 +481,41 @@ def build(arch: Arch, out: Path) -> Path:
     generation.eos_token_id, generation.bos_token_id = config.get_text_config().eos_token_id, tokenizer.bos_token_id
     generation.pad_token_id = config.get_text_config().pad_token_id
     model.save_pretrained(out)
+    if arch.config.get("num_nextn_predict_layers"):
+        add_mtp_layers(config, out, arch.config["num_nextn_predict_layers"])
     tokenizer.save_pretrained(out)
     if arch.model_type in PROCESSORS:
         PROCESSORS[arch.model_type](out)
     (out / "matrix.json").write_text(json.dumps({"name": arch.name, "classes": list(arch.classes)}))
     return out
+
+
+def add_mtp_layers(config, out: Path, count: int) -> None:
+    """The MTP layers a DeepSeek-V3-style checkpoint ships after its n decoder layers, which transformers neither
+    builds nor saves: layers n.. of the model's own class (initialised as the model initialises them, in the
+    checkpoint's own tensor names), each with `enorm`, `hnorm`, `eh_proj` and `shared_head.norm`."""
+    import copy
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    n, width = config.num_hidden_layers, config.hidden_size
+    longer = copy.deepcopy(config)
+    longer.num_hidden_layers = n + count
+    with tempfile.TemporaryDirectory() as tmp:
+        AutoModelForCausalLM.from_config(longer, dtype=torch.float32).save_pretrained(tmp)
+        extra = {k: v for k, v in load_file(Path(tmp) / "model.safetensors").items() if k.startswith("model.layers.")}
+    weights = load_file(out / "model.safetensors")
+    for i in range(n, n + count):
+        prefix = f"model.layers.{i}."
+        weights.update({k: v for k, v in extra.items() if k.startswith(prefix)})
+        weights.update(
+            {prefix + f"{norm}.weight": torch.ones(width) for norm in ("enorm", "hnorm", "shared_head.norm")}
+        )
+        weights[prefix + "eh_proj.weight"] = torch.randn(width, 2 * width) * config.initializer_range
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
 
 
 def text_decoder_folder(src: Path, out: Path) -> Path:

@@ -228,7 +228,11 @@ def printed_speculative_config(capsys, argv: list[str]) -> dict:
 
 @pytest.mark.parametrize(
     "family",
-    [s.model_fields["family"].default for s in settings_types() if s.vllm_format and not s.vllm_needs_gpu],
+    [
+        s.model_fields["family"].default
+        for s in settings_types()
+        if s.vllm_format and not s.vllm_needs_gpu and not s.vllm_mtp_classes  # MTP: not on a Llama target
+    ],
 )
 def test_vllm_serves_each_family_from_the_printed_command_with_the_targets_output(
     family, target, reference, fitted, tmp_path, capsys
@@ -412,3 +416,43 @@ def test_vllm_serves_the_printed_eagle3_line_on_each_architecture_class(tmp_path
         decoded = engine.generate([prompt], len(reply), 0.0, 1.0, [0])
     assert decoded.completions[0].tokens == reply
     assert decoded.counts.drafts > 0 and decoded.counts.accepted > 0, decoded.counts
+
+
+def test_vllm_serves_our_mtp_head_on_a_glm_target_with_its_output_and_our_acceptance(tmp_path, capsys):
+    """What only this proves: an MTP head started from a GLM-4.5-style target's own MTP layer and fitted to its
+    reply is exported in the layout vLLM's `method: mtp` reads for that target (`Glm4MoeMTPModel`), and vLLM drafts
+    with it exactly as our loop does: the target's greedy output, the same drafts accepted (AL within 2%)."""
+    from speculators_train.engines.vllm import Engine
+    from speculators_train.proposal import Sampling
+    from speculators_train.verify.decoder import SpeculativeDecoder
+    from speculators_train.verify.run import eos_ids, load_draft_for
+    from tests.conftest import fit
+    from tests.integration.test_targets import load, matrix_recipe
+    from tests.targets import BY_NAME, build
+
+    folder = build(BY_NAME["glm4-moe"], tmp_path / "target")
+    target = load(lambda _: folder, "glm4-moe")
+    _, checkpoint, prompt, reply = fit(target, tmp_path / "fit", "mtp")
+    recipe = matrix_recipe(tmp_path, folder, "mtp")
+    out = tmp_path / "export"
+    spec = printed_speculative_config(
+        capsys, ["export", str(recipe), "--checkpoint", str(checkpoint), "--out", str(out), "--dtype", "float32"]
+    )
+    assert spec == {"model": str(out), "method": "mtp", "num_speculative_tokens": 3}
+    loaded = load_draft_for(target, out)
+    assert loaded.family.name == "mtp" and loaded.draft.config.from_target
+    ours = SpeculativeDecoder(target, loaded.family.proposer(loaded.draft, target), Sampling(), 3, None)
+    ours = ours.generate(prompt, len(reply), eos_ids(target), None)
+    assert ours.tokens == reply
+    with Engine(str(folder), spec, in_process=True) as engine:
+        decoded = engine.generate([prompt], len(reply), 0.0, 1.0, [0])
+    assert decoded.completions[0].tokens == reply
+    # Our loop's first step drafts the reply's first token too, from the prompt's last pair; vLLM drafts only
+    # after its prefill has sampled that token. This head misses it, so the steps after are vLLM's.
+    assert ours.accepted[0] == 0, ours.accepted
+    steps = ours.accepted[1:]
+    per_position = [sum(a > i for a in steps) for i in range(3)]
+    assert (decoded.counts.drafts, decoded.counts.per_position) == (len(steps), per_position), decoded.counts
+    our_al = 1 + sum(steps) / len(steps)
+    assert our_al > 2, steps  # a fitted head: a wrong position or state in vLLM would show here
+    assert decoded.counts.acceptance_length == pytest.approx(our_al, rel=0.02), (decoded.counts, steps)

@@ -22,7 +22,7 @@ from speculators_train.cli import main
 from tests.conftest import SHAREGPT, make_recipe
 from tests.targets import BY_NAME, MATRIX, build
 
-FAMILIES = ("eagle3", "peagle", "dflash", "medusa", "mlp", "draft_model")
+FAMILIES = ("eagle3", "peagle", "dflash", "medusa", "mlp", "draft_model", "mtp")
 EVERYTHING = os.environ.get("SPECULATORS_TRAIN_MATRIX") == "all"
 # CI's share of the stage matrix: a target per class (MoE + sliding window + sinks, a multimodal wrapper, MLA, hybrid
 # linear attention) with EAGLE-3, the draft model on the ones whose layers differ in kind, every family on gpt-oss.
@@ -33,6 +33,7 @@ CI_STAGES = {
     "qwen3-next": ("eagle3",),
     "llama4": ("draft_model",),
     "qwen2.5-vl": ("draft_model",),
+    "glm4-moe": ("mtp",),
 }
 SETTINGS = {
     "eagle3": {"ttt_steps": 3, "draft_vocab_size": 512},
@@ -41,6 +42,7 @@ SETTINGS = {
     "medusa": {"num_heads": 3, "draft_vocab_size": 512},
     "mlp": {"n_predict": 3, "inner_dim": 64},
     "draft_model": {"layers": [0, 3]},
+    "mtp": {"num_steps": 2},
 }
 AUX = [2, 4, 6]  # below the default [2, N//2, N-3] = [2, 4, 5] of 8 layers, which repeats no id but sits close
 
@@ -168,7 +170,10 @@ def test_every_stage_runs_for_every_family(built, generated, tmp_path, capsys, n
 
 
 # Families refused for a target at recipe load, with the reason the refusal names.
-REFUSED = {("qwen2.5-vl", "draft_model"): "(Qwen2_5_VLTextConfig) has no causal-LM class"}
+REFUSED = {
+    ("qwen2.5-vl", "draft_model"): "(Qwen2_5_VLTextConfig) has no causal-LM class",
+    ("qwen2.5-vl", "mtp"): "(Qwen2_5_VLTextConfig) has no causal-LM class",
+}
 NO_LOOP = {"qwen3-next"}  # hybrid linear attention: the verify loop refuses it at once
 
 
