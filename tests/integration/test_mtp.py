@@ -75,3 +75,45 @@ def test_later_drafts_feed_the_heads_output_back_at_the_next_position(target, he
     with torch.no_grad():
         out = draft.step(target.final_norm(final[:21])[None], torch.tensor([ids[1:22]]), torch.arange(21)[None])
     torch.testing.assert_close(q[0], torch.softmax(draft.logits(out[0, -1]).float(), dim=-1), rtol=1e-4, atol=1e-6)
+
+
+def test_speculators_mtp_draft_model_loads_our_export_and_gives_our_logits_at_every_step(tmp_path):
+    """speculators 0.9.0's MTPDraftModel reads our `speculators` export of a Qwen3 target's head (the layer, its four
+    extra tensors, the normed output fed back) and its teacher-forced logits at every step are ours; our reader
+    gives back the same head. A DeepSeek-style head (pre-norm output fed back) is refused for this layout."""
+    import json
+
+    from safetensors.torch import save_file
+    from speculators.models.mtp import MTPDraftModel
+
+    from tests.targets import BY_NAME, build
+
+    folder = build(BY_NAME["qwen3"], tmp_path / "target")
+    family, fmt = get("mtp"), get("mtp").formats["speculators"]
+    config, weights = load_head_weights(TargetConfig(name_or_path=str(folder)))
+    start = start_of(config, weights, torch.ones(1), [], str(folder))
+    torch.manual_seed(0)
+    assert fmt.unsupported(family.new_draft(family.settings(family="mtp"), start))
+    draft = family.new_draft(family.settings(family="mtp", style="qwen3_next"), start).eval()
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    assert not fmt.unsupported(draft)
+    files, tensors = fmt.write(draft, "float32", str(folder), config.architectures, 3)
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(files))
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    back, _ = fmt.read(out, files, config.num_hidden_layers)
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items())
+    theirs = MTPDraftModel.from_pretrained(out).eval()
+    ids = torch.randint(0, 1000, (1, 20), generator=torch.Generator().manual_seed(1))
+    hidden = torch.randn(1, 20, config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        their_logits, _, _ = theirs(input_ids=ids, hidden_states=hidden)
+        n, state = 20 - 3 - 1, hidden
+        for k in range(3):
+            step = draft.step(state[:, :n], ids[:, 1 + k : 1 + k + n], torch.arange(k, k + n)[None])
+            torch.testing.assert_close(draft.logits(step), their_logits[k], rtol=1e-4, atol=1e-4)
+            state = draft.carry(step)

@@ -174,6 +174,10 @@ def test_a_recipe_in_the_old_layout_is_told_the_new_spelling_with_its_own_values
             r"draft\.norm_before_fc true: SGLang's LlamaForCausalLMEagle3 has no norm before fc",
         ),
         ("draft: {family: eagle3, loss: kl}", r"draft\.loss: Input should be 'ce', .*'lk' or 'lk_hybrid' \(got 'kl'\)"),
+        (
+            "draft: {family: mtp}\nexport: {format: speculators}",
+            r"draft\.style 'deepseek': export\.format 'speculators' runs the head as 'qwen3_next'",
+        ),
     ],
     ids=[
         "medusa-sglang",
@@ -184,6 +188,7 @@ def test_a_recipe_in_the_old_layout_is_told_the_new_spelling_with_its_own_values
         "gguf-norm-output",
         "sglang-norm-before-fc",
         "eagle3-unknown-loss",
+        "mtp-style-for-speculators",
     ],
 )
 def test_family_rules_are_checked_when_the_recipe_loads(tmp_path, sections, message):

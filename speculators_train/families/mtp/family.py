@@ -36,7 +36,10 @@ class MTPFamily(Family):
         the embedding and head are the target's."""
         text = start.target_config.get_text_config()
         config = MTPConfig(
-            layer_config=text.to_dict(), num_steps=settings.num_steps, target_num_layers=text.num_hidden_layers
+            layer_config=text.to_dict(),
+            num_steps=settings.num_steps,
+            target_num_layers=text.num_hidden_layers,
+            style=settings.style,
         )
         own = target_mtp_tensors(start.target_dir, text.num_hidden_layers)
         if own:  # the target's own MTP layer: fine-tuned from where its makers left it
@@ -80,6 +83,7 @@ class MTPFamily(Family):
             ("target states read", "the last decoder layer's output after the final norm"),
             ("block", f"one {type(draft.block).__name__}, the target's class at its MTP index {cfg.target_num_layers}"),
             ("steps trained", str(cfg.num_steps)),
+            ("fed back", "the block's output before its norm" if cfg.style == "deepseek" else "the normed output"),
             ("vocabulary", f"the target's {cfg.target_vocab_size} ids (its embedding and head)"),
             ("speculative tokens", str(k)),
         ]

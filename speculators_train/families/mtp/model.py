@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import inspect
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import StrictBool
@@ -32,6 +32,10 @@ from speculators_train.families.format_common import MAX_LAYERS
 from speculators_train.head import meta_model
 
 MAX_STEPS = 16
+# How an engine runs the head, each trained as served: "deepseek" zeroes the embedding at position 0 and feeds the
+# block's pre-norm output back (vLLM's DeepSeek-V3 and GLM-4.5 MTP); "qwen3_next" feeds the normed output back and
+# zeroes nothing (vLLM's Qwen3-Next and Qwen3.5 MTP, speculators' MTPDraftModel).
+STYLES = ("deepseek", "qwen3_next")
 
 
 @draft_config
@@ -42,6 +46,7 @@ class MTPConfig:
     num_steps: Bounded(1, MAX_STEPS) = 3  # steps trained recursively (FastMTP: 3)
     target_num_layers: Bounded(1, MAX_LAYERS) = 1
     from_target: StrictBool = False  # started from the target's own MTP weights
+    style: Literal["deepseek", "qwen3_next"] = "deepseek"  # `STYLES`
 
     @property
     def text(self) -> Any:
@@ -129,8 +134,10 @@ class MTPDraft(nn.Module):
         self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: Any = None
     ) -> torch.Tensor:
         """One step over [B, L] positions: `hidden` [B, L, H] (the target's post-norm state or the step before's
-        output), `tokens` [B, L] the token after each position; the block's pre-norm output [B, L, H]."""
-        embeds = self.embed_tokens(tokens) * (positions != 0)[..., None].to(hidden.dtype)
+        `carry`), `tokens` [B, L] the token after each position; the block's pre-norm output [B, L, H]."""
+        embeds = self.embed_tokens(tokens)
+        if self.config.style == "deepseek":
+            embeds = embeds * (positions != 0)[..., None].to(hidden.dtype)
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
         mask = create_causal_mask(
             config=self.layer_text, inputs_embeds=x, attention_mask=None, past_key_values=cache, position_ids=positions
@@ -144,6 +151,10 @@ class MTPDraft(nn.Module):
             position_embeddings=self.rotary_emb(x, positions, **self.rope_kind),
         )
         return out[0] if isinstance(out, tuple) else out
+
+    def carry(self, out: torch.Tensor) -> torch.Tensor:
+        """What the next step reads of this step's block output (`STYLES`)."""
+        return out if self.config.style == "deepseek" else self.shared_norm(out)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.shared_norm(out))

@@ -3,7 +3,7 @@ sequence fed the step before's output and the data's tokens, distilling the targ
 
 Alignment (T tokens; y = stored pre-norm final states, l = loss mask; y_j gives the target's distribution of x_{j+1}):
 
-    step k at position t (t <= T - 3 - k) reads norm(y_t) (k = 0) or step k - 1's output at t, and x_{t+k+1} at
+    step k at position t (t <= T - 3 - k) reads norm(y_t) (k = 0) or step k - 1's carry at t, and x_{t+k+1} at
     position t + k; it proposes x_{t+k+2}: target softmax(lm_head(norm(y_{t+k+1}))), scored where l_{t+k+2}
 
 Step k's loss weight is beta**k / sum_j beta**j (FastMTP's normalised decay). `full_acc_k` counts positions where steps
@@ -56,7 +56,7 @@ def mtp_loss(
             sums[key("loss", k)] = ratio(torch.zeros((), device=ids.device), count)
             sums.update(chains.step(k, scored, scored))
             continue
-        state = draft.step(state[:, :n], ids[:, 1 + k : 1 + k + n], positions[:, k : k + n])
+        out = draft.step(state[:, :n], ids[:, 1 + k : 1 + k + n], positions[:, k : k + n])
 
         def piece(s: torch.Tensor, y: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
             with torch.no_grad():
@@ -65,7 +65,8 @@ def mtp_loss(
             per_position = divergence(torch.softmax(target_logits, dim=-1), torch.log_softmax(logits, dim=-1), kind)
             return (per_position * m).sum(), logits.argmax(-1) == target_logits.argmax(-1)
 
-        loss_sum, right = chunked(piece, rows, state, final[:, 1 + k : 1 + k + n], scored)
+        loss_sum, right = chunked(piece, rows, out, final[:, 1 + k : 1 + k + n], scored)
+        state = draft.carry(out)
         total = total + weights[k] * loss_sum / denominator
         sums[key("loss", k)] = ratio(loss_sum, count)
         sums.update(chains.step(k, right & scored, scored))

@@ -70,7 +70,7 @@ class MTPProposer:
                 choice = logits.argmax()[None]
             tokens.append(int(choice))
             if i < k - 1:
-                out, logits = self._step(choice, out, self.committed + i)
+                out, logits = self._step(choice, self.draft.carry(out), self.committed + i)
         return tokens, torch.stack(qs) if qs else None
 
     def propose_tree(self, spec: TreeSpec) -> DraftTree:

@@ -18,8 +18,16 @@ class Settings(FamilySettings):
     num_steps: int = Field(3, gt=0, le=MAX_STEPS, description="Steps trained recursively (FastMTP: 3).")
     step_beta: float = Field(0.6, gt=0, le=1, description="Step k's loss weight is beta**k, normalised (FastMTP).")
     loss: Divergence = Field("ce", description="The divergence to the target's distribution per step.")
+    style: Literal["deepseek", "qwen3_next"] = Field(
+        "deepseek",
+        description="How the engine runs the head (families/mtp/model.py STYLES): 'deepseek' for export.format mtp "
+        "(vLLM's DeepSeek-V3 and GLM-4.5 MTP), 'qwen3_next' for export.format speculators (speculators' MTPDraftModel)",
+    )
 
-    formats: ClassVar[dict[str, str]] = {"mtp": "formats:MTPFormat"}
+    formats: ClassVar[dict[str, str]] = {
+        "mtp": "formats:MTPFormat",
+        "speculators": "speculators_format:MTPSpeculatorsFormat",
+    }
     vllm_format: ClassVar[str | None] = "mtp"
     # vLLM's MTP classes of DeepSeek-V3's layout (`formats.py`); Qwen3-Next's and Qwen3.5's read `mtp.*`.
     vllm_mtp_classes: ClassVar[tuple[str, ...]] = ("DeepSeekMTPModel", "Glm4MoeMTPModel")
@@ -40,4 +48,9 @@ class Settings(FamilySettings):
         problems = []
         if recipe.eval.mode == "tree":
             problems.append("eval.mode 'tree': an MTP head drafts chains here")
+        wanted = {"mtp": "deepseek", "speculators": "qwen3_next"}.get(recipe.export.format)
+        if wanted and self.style != wanted:
+            problems.append(
+                f"draft.style {self.style!r}: export.format {recipe.export.format!r} runs the head as {wanted!r}"
+            )
         return problems
