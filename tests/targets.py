@@ -234,6 +234,9 @@ class Arch:
 
 
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": WIDTH, "norm_topk_prob": True}
+# DeepSeek-V3's and GLM-4.5's routed experts (one group), dense before layer 1
+ROUTED_MOE = {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1}
+ROUTED_MOE.update(moe_intermediate_size=WIDTH, first_k_dense_replace=1)
 VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2}
 
 MATRIX = [
@@ -277,12 +280,7 @@ MATRIX = [
         "deepseek_v3",
         "deepseek",
         {
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "n_group": 1,
-            "topk_group": 1,
-            "moe_intermediate_size": WIDTH,
-            "first_k_dense_replace": 1,
+            **ROUTED_MOE,
             "kv_lora_rank": 32,
             "q_lora_rank": 64,
             "qk_rope_head_dim": 16,
@@ -297,16 +295,7 @@ MATRIX = [
         "glm4-moe",
         "glm4_moe",
         "chatml",
-        {
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "n_group": 1,
-            "topk_group": 1,
-            "moe_intermediate_size": WIDTH,
-            "first_k_dense_replace": 1,
-            "n_shared_experts": 1,
-            "num_nextn_predict_layers": 1,
-        },
+        {**ROUTED_MOE, "n_shared_experts": 1, "num_nextn_predict_layers": 1},
         ("MoE", "ships an MTP layer"),
     ),
     Arch(
