@@ -73,8 +73,8 @@ def block_from_checkpoint(tensors: dict[str, torch.Tensor], text: Any) -> dict[s
 
 
 def target_mtp_tensors(target_dir: Path, n: int) -> dict[str, torch.Tensor]:
-    """The target checkpoint's MTP layer n (`model.layers.{n}.*`, which transformers drops on load) and its embedding
-    and head, as stored; {} when the target ships no MTP layer."""
+    """The target checkpoint's MTP layer n (`model.layers.{n}.*`, which transformers drops on load) as stored; {}
+    when the target ships no MTP layer."""
     weight_map = _weight_map(target_dir)
     prefix = f"model.layers.{n}."
     files = sorted({f for k, f in weight_map.items() if k.startswith(prefix)}) if weight_map else ["model.safetensors"]
