@@ -167,7 +167,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     console.print(f"exported {done.format} draft for {done.verifier} to {done.path}")
     for note in done.notes:
         _labelled("note", "yellow", note)
-    console.print("serve it with:")
+    if done.commands:  # none where no engine serves this draft on this target (the notes say why)
+        console.print("serve it with:")
     for command in done.commands:
         print(command)
     return 0
