@@ -3,11 +3,11 @@ and MiMo targets): one decoder layer of the target's own class, fed the target's
 
     position p (the target state's position), step 0:
         x   = eh_proj([enorm(e); hnorm(h_p)])      h_p: the target's post-norm last state after x_p
-                                                   e:   embed(x_{p+1}), zero at p = 0 (vLLM's rule)
+                                                   e:   embed(x_{p+1}), zero at p = 0 (style deepseek)
         g_0 = block(x) at position p                the target's decoder layer class at index n (its MTP slot),
                                                    its residual included: the layer's pre-norm output
         logits = head(shared_norm(g_0))             proposes x_{p+2}; embed and head are the target's, frozen
-    step k > 0: h = g_{k-1} (the pre-norm output, fed back), e = embed(x_{p+k+1}) at position p + k
+    step k > 0: h = g_{k-1} (style deepseek) or shared_norm(g_{k-1}) (qwen3_next), e = embed(x_{p+k+1}) at p + k
 
 Training runs each step as one causal pass over the sequence (FastMTP, speculators' MTP), each step's keys from its
 own inputs; the loop keeps one key/value cache of the verified positions' step-0 inputs, as vLLM does.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import inspect
 from dataclasses import asdict
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from pydantic import StrictBool
@@ -29,13 +29,8 @@ from transformers.masking_utils import create_causal_mask
 from speculators_train.architectures import text_decoder
 from speculators_train.families.draft_config import Bounded, checked, draft_config, spelled
 from speculators_train.families.format_common import MAX_LAYERS
+from speculators_train.families.mtp.settings import MAX_STEPS, Style
 from speculators_train.head import meta_model
-
-MAX_STEPS = 16
-# How an engine runs the head, each trained as served: "deepseek" zeroes the embedding at position 0 and feeds the
-# block's pre-norm output back (vLLM's DeepSeek-V3 and GLM-4.5 MTP); "qwen3_next" feeds the normed output back and
-# zeroes nothing (vLLM's Qwen3-Next and Qwen3.5 MTP, speculators' MTPDraftModel).
-STYLES = ("deepseek", "qwen3_next")
 
 
 @draft_config
@@ -46,7 +41,7 @@ class MTPConfig:
     num_steps: Bounded(1, MAX_STEPS) = 3  # steps trained recursively (FastMTP: 3)
     target_num_layers: Bounded(1, MAX_LAYERS) = 1
     from_target: StrictBool = False  # started from the target's own MTP weights
-    style: Literal["deepseek", "qwen3_next"] = "deepseek"  # `STYLES`
+    style: Style = "deepseek"  # how the engine runs it (settings.py)
 
     @property
     def text(self) -> Any:
@@ -153,7 +148,7 @@ class MTPDraft(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
     def carry(self, out: torch.Tensor) -> torch.Tensor:
-        """What the next step reads of this step's block output (`STYLES`)."""
+        """What the next step reads of this step's block output (`Style`)."""
         return out if self.config.style == "deepseek" else self.shared_norm(out)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,10 @@ from pydantic import Field
 from speculators_train.families.base import Divergence, FamilySettings, SmallDraft, TargetStates
 
 MAX_STEPS = 16
+# How an engine runs the head, each trained as served: "deepseek" zeroes the embedding at position 0 and feeds the
+# block's pre-norm output back (vLLM's DeepSeek-V3 and GLM-4.5 MTP); "qwen3_next" feeds the normed output back and
+# zeroes nothing (vLLM's Qwen3-Next and Qwen3.5 MTP, speculators' MTPDraftModel).
+Style = Literal["deepseek", "qwen3_next"]
 
 
 class Settings(FamilySettings):
@@ -18,9 +22,9 @@ class Settings(FamilySettings):
     num_steps: int = Field(3, gt=0, le=MAX_STEPS, description="Steps trained recursively (FastMTP: 3).")
     step_beta: float = Field(0.6, gt=0, le=1, description="Step k's loss weight is beta**k, normalised (FastMTP).")
     loss: Divergence = Field("ce", description="The divergence to the target's distribution per step.")
-    style: Literal["deepseek", "qwen3_next"] = Field(
+    style: Style = Field(
         "deepseek",
-        description="How the engine runs the head (families/mtp/model.py STYLES): 'deepseek' for export.format mtp "
+        description="How the engine runs the head: 'deepseek' for export.format mtp "
         "(vLLM's DeepSeek-V3 and GLM-4.5 MTP), 'qwen3_next' for export.format speculators (speculators' MTPDraftModel)",
     )
 
