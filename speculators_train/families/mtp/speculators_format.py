@@ -41,6 +41,15 @@ SHARED = ("embed_tokens.weight", "lm_head.weight")
 MODEL_TYPES = ("qwen3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # speculators' `mtp_model_classes`
 
 
+def our_name(spelled: str) -> str:
+    """A file's tensor name as our module names it (a name of neither layout left as it is, to be reported)."""
+    if not spelled.startswith(LAYER):
+        return spelled
+    rest = spelled[len(LAYER) :]
+    mine = next((o + rest[len(t) :] for o, t in EXTRAS.items() if rest.startswith(t)), None)
+    return mine or "block." + rest
+
+
 def theirs(name: str) -> str:
     """Our tensor name as the file spells it."""
     if name in SHARED:
@@ -76,9 +85,7 @@ class MTPSpeculatorsFormat(ExportFormat):
             values = {"layer_config": layer, "target_num_layers": target_num_layers, "style": "qwen3_next", **ours}
             cfg = checked_mtp_config(values)
         weights, source = read_weights(path)
-        with torch.device("meta"):
-            names = list(MTPDraft(cfg).state_dict())
-        mine = {name: weights[theirs(name)] for name in names if theirs(name) in weights}
+        mine = {our_name(name): tensor for name, tensor in weights.items()}
         draft = load_checked(lambda: MTPDraft(cfg), mine, source, config_file, spell=theirs)
         return draft, "embed_tokens.weight" in mine
 
