@@ -148,28 +148,37 @@ def start_of(target_config, head: dict, freq, aux_layer_ids, name_or_path: str |
 _REPLIED: dict = {}
 
 
-def replied(target) -> tuple:
-    """(prompt ids, prompt + the target's greedy 48-token reply, its aux states, its final state): what every fit on
-    this target reads, computed once per target folder and state layers in the session."""
-    import torch
-
+def prompt_ids(target) -> list[int]:
+    """PROMPT in the target's chat template."""
     from speculators_train.data.chat import Chat
     from speculators_train.verify.suites import chat_ids
 
-    key = (target.name_or_path, tuple(target.aux_layer_ids), target.dtype, target.device)
+    return chat_ids(Chat(target.tokenizer), PROMPT)
+
+
+def replied(target, reply: list[int] | None = None) -> tuple:
+    """(prompt ids, prompt + the target's greedy 48-token reply, its aux states, its final state): what every fit on
+    this target reads, computed once per target folder and state layers in the session. `reply`: one decoded
+    elsewhere (an engine's own greedy reply) instead."""
+    import torch
+
+    key = (target.name_or_path, tuple(target.aux_layer_ids), target.dtype, target.device, tuple(reply or ()))
     if key not in _REPLIED:
-        prompt = chat_ids(Chat(target.tokenizer), PROMPT)
+        prompt = prompt_ids(target)
         with torch.no_grad():
-            full = target.model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)
+            if reply is None:
+                full = target.model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)
+            else:
+                full = torch.tensor([prompt + reply])
             aux, final = target.hidden_states(full, torch.ones_like(full))
         _REPLIED[key] = (prompt, full, aux, final)
     return _REPLIED[key]
 
 
-def fit(target, tmp: Path, family: str = "eagle3", **settings):
+def fit(target, tmp: Path, family: str = "eagle3", reply: list[int] | None = None, **settings):
     """(recipe, checkpoint, prompt ids, reply ids): a small draft of `family` (`settings` beside its size) fitted
-    for a few seconds to the target's own greedy reply to PROMPT (real target states), so that an engine accepts its
-    drafts on that prompt."""
+    for a few seconds to the target's own greedy reply to PROMPT (or `reply`; real target states), so that an engine
+    accepts its drafts on that prompt."""
     import torch
 
     from speculators_train.families import get
@@ -180,7 +189,7 @@ def fit(target, tmp: Path, family: str = "eagle3", **settings):
     sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]
     recipe = load_recipe(make_recipe(tmp, sources, draft={"family": family}))
     fam = get(family)
-    prompt, full, aux, final = replied(target)
+    prompt, full, aux, final = replied(target, reply)
     freq = torch.bincount(full[0], minlength=target.vocab_size).float()
     head = {"embed": target.embed_tokens.weight, "lm_head": target.lm_head.weight, "norm": target.final_norm.weight}
     head.update({HEAD_NORM_PREFIX + name: p for name, p in target.final_norm.state_dict().items()})

@@ -480,9 +480,11 @@ def build(arch: Arch, out: Path) -> Path:
 
 
 def add_mtp_layers(config, out: Path, count: int) -> None:
-    """The MTP layers a DeepSeek-V3-style checkpoint ships after its n decoder layers, which transformers neither
-    builds nor saves: layers n.. of the model's own class (initialised as the model initialises them, in the
-    checkpoint's own tensor names), each with `enorm`, `hnorm`, `eh_proj` and `shared_head.norm`."""
+    """The MTP layers a checkpoint ships beside its n decoder layers, which transformers neither builds nor saves, in
+    its makers' layout: layers of the model's own class (initialised as the model initialises them, in the
+    checkpoint's own tensor names), full attention where the model has layer kinds. DeepSeek-V3's: layers n.. with
+    `enorm`, `hnorm`, `eh_proj` and `shared_head.norm`; Qwen3-Next's: `mtp.layers.{i}` with
+    `mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm}`, its norms zero-centred (1 + w)."""
     import copy
     import tempfile
 
@@ -493,17 +495,21 @@ def add_mtp_layers(config, out: Path, count: int) -> None:
     n, width = config.num_hidden_layers, config.hidden_size
     longer = copy.deepcopy(config)
     longer.num_hidden_layers = n + count
+    if getattr(config, "layer_types", None):
+        longer.layer_types = [*config.layer_types, *["full_attention"] * count]
     with tempfile.TemporaryDirectory() as tmp:
         AutoModelForCausalLM.from_config(longer, dtype=torch.float32).save_pretrained(tmp)
         extra = {k: v for k, v in load_file(Path(tmp) / "model.safetensors").items() if k.startswith("model.layers.")}
     weights = load_file(out / "model.safetensors")
+    qwen = config.model_type == "qwen3_next"
+    norms = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm") if qwen else ("enorm", "hnorm", "shared_head.norm")
     for i in range(n, n + count):
-        prefix = f"model.layers.{i}."
-        weights.update({k: v for k, v in extra.items() if k.startswith(prefix)})
-        weights.update(
-            {prefix + f"{norm}.weight": torch.ones(width) for norm in ("enorm", "hnorm", "shared_head.norm")}
-        )
-        weights[prefix + "eh_proj.weight"] = torch.randn(width, 2 * width) * config.initializer_range
+        layer, prefix = f"model.layers.{i}.", f"mtp.layers.{i - n}." if qwen else f"model.layers.{i}."
+        weights.update({prefix + k[len(layer) :]: v for k, v in extra.items() if k.startswith(layer)})
+        around = "mtp." if qwen else prefix  # Qwen3-Next's one set of norms and fc serves every MTP layer
+        weights.update({around + f"{norm}.weight": (torch.zeros if qwen else torch.ones)(width) for norm in norms})
+        fc = torch.randn(width, 2 * width) * config.initializer_range
+        weights[around + ("fc.weight" if qwen else "eh_proj.weight")] = fc
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
 
 

@@ -363,27 +363,32 @@ def leading_string(path: Path, key: str) -> str | None:
     return None
 
 
-def serving(engine: str, target: Any, target_config: Any, settings: Any) -> Serving:
+def serving(
+    engine: str, target: Any, target_config: Any, settings: Any, nextn_classes: tuple[str, ...] | None = None
+) -> Serving:
     """Whether `engine` serves a draft of the family whose recipe section is `settings` on the recipe's `target`
-    (its `TargetConfig`; `target_config` is its transformers config)."""
+    (its `TargetConfig`; `target_config` is its transformers config); `nextn_classes`: the vLLM MTP classes that
+    read this draft's export, where narrower than the family's."""
     reads = settings.target_states == "aux+final"
     if engine == "vllm":
-        return vllm_serving(
-            target_config, reads, settings.own_attention, settings.vllm_needs_gpu, settings.vllm_mtp_classes
-        )
+        nextn = settings.vllm_mtp_classes if nextn_classes is None else nextn_classes
+        return vllm_serving(target_config, reads, settings.own_attention, settings.vllm_needs_gpu, nextn)
     return llamacpp_serving(target_config, gguf_architecture(target), reads)
 
 
-def served_commands(target: Any, target_config: Any, settings: Any, commands: list[str]) -> tuple[list[str], list[str]]:
+def served_commands(
+    target: Any, target_config: Any, settings: Any, commands: list[str], nextn_classes: tuple[str, ...] | None = None
+) -> tuple[list[str], list[str]]:
     """The serve lines that run, and a note for each one left out (its engine cannot serve this draft on this
-    target) or that runs elsewhere only (on a GPU, with a package this machine lacks)."""
+    target) or that runs elsewhere only (on a GPU, with a package this machine lacks); `nextn_classes` as
+    `serving` takes them."""
     kept, notes = [], []
     for line in commands:
         engine = next((e for e, prefix in COMMAND_PREFIXES.items() if line.startswith(prefix)), None)
         if engine is None:
             kept.append(line)
             continue
-        answer = serving(engine, target, target_config, settings)
+        answer = serving(engine, target, target_config, settings, nextn_classes)
         if answer.problems:
             notes.append(f"no {engine} command: {'; '.join(answer.problems)}")
             continue

@@ -250,9 +250,9 @@ def _export(
             "one-argument `vllm serve <dir>` needs a hub id (set export.verifier)"
         )
     k = family.draft_tokens(draft, recipe.eval.num_speculative_tokens)
-    commands, more = served_commands(
-        recipe.target, target_config, family.settings, export_format.commands(out, served, recipe.eval, k)
-    )
+    lines = export_format.commands(out, served, recipe.eval, k)
+    nextn = export_format.vllm_mtp_classes(draft)
+    commands, more = served_commands(recipe.target, target_config, family.settings, lines, nextn)
     notes += more
     architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
     config, weights = export_format.write(draft, dtype, verifier, architectures, k)

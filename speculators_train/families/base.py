@@ -79,8 +79,9 @@ class FamilySettings(Section):
     # None: `eval.engine: vllm` is refused at load, and `verify --engine vllm` exports this format.
     vllm_format: ClassVar[str | None] = "speculators"
     vllm_needs_gpu: ClassVar[bool] = False  # vLLM runs its method in the V2 model runner only (Triton: a GPU build)
-    # A draft that is one more layer of the target's own (`method: mtp`): the vLLM MTP classes that read the weight
-    # layout its vLLM format writes. vLLM serves it only on targets it maps to one of them.
+    # A draft that is one more layer of the target's own (`method: mtp`): the vLLM MTP classes that read a weight
+    # layout its vLLM format writes (`ExportFormat.vllm_mtp_classes` names those of one draft's export). vLLM serves
+    # it only on targets it maps to one of them.
     vllm_mtp_classes: ClassVar[tuple[str, ...]] = ()
     tree_shapes: ClassVar[tuple[str, ...]] = ("dynamic",)  # eval.tree.shape values its proposer grows
     fine_tunes: ClassVar[bool] = True  # whether training.init_from may name a draft of this family
@@ -137,6 +138,10 @@ class ExportFormat(ABC):
     def finish(self, out: Path, target_dir: Path, dtype: str) -> None:
         """Add the engine's own files to the written export at `out` (config.json, model.safetensors and the
         tokenizer are there; `target_dir` is the target as an HF directory), for engines that read another format."""
+        return None
+
+    def vllm_mtp_classes(self, draft: nn.Module) -> tuple[str, ...] | None:
+        """The vLLM MTP classes that read this export of `draft` (None: the family's `vllm_mtp_classes`)."""
         return None
 
     def vllm_speculative_config(self, out: Path, k: int) -> dict[str, Any] | None:

@@ -21,11 +21,13 @@ from typing import Any
 from tqdm import tqdm
 
 from speculators_train.engines import vllm
+from speculators_train.engines.serving import serving
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
 from speculators_train.families.base import ExportFormat, LoadedDraft
 from speculators_train.origin import resolve_origin
 from speculators_train.recipe import Recipe
+from speculators_train.target import load_target_config
 from speculators_train.verify.llamacpp_run import first_divergence
 from speculators_train.verify.report import quartiles
 from speculators_train.verify.suites import Suite
@@ -40,6 +42,17 @@ def served_format(loaded: LoadedDraft) -> ExportFormat:
     if name is None:
         raise UserError(f"{loaded.path}: vLLM serves no {loaded.family.title}s; verify it with --engine native")
     return loaded.family.formats[name]
+
+
+def refuse_unserved(recipe: Recipe, loaded: LoadedDraft, export_format: ExportFormat) -> None:
+    """A draft whose export vLLM would read with another class than the target's (an MTP head of the other style)
+    is refused here, where `verify`'s check before loading knew only the family."""
+    classes = export_format.vllm_mtp_classes(loaded.draft)
+    if classes is None:
+        return
+    answer = serving(ENGINE, recipe.target, load_target_config(recipe.target), loaded.family.settings, classes)
+    if answer.problems:
+        raise UserError(f"{loaded.path}: vLLM cannot serve this draft on this target: {'; '.join(answer.problems)}")
 
 
 def target_dir(recipe: Recipe) -> Path:
@@ -179,6 +192,7 @@ def run_vllm(recipe: Recipe, suites: list[Suite], loaded: LoadedDraft | None, ou
     export_format, exported = None, None
     if loaded is not None:
         export_format = served_format(loaded)
+        refuse_unserved(recipe, loaded, export_format)
         exported = export(recipe, loaded.path, export_format.name, out_dir / "draft-export", "float32", force=True).path
     with tempfile.TemporaryDirectory(prefix="speculators-train-vllm-") as neutral:
         return _run(recipe, suites, loaded, export_format, exported, Path(neutral))

@@ -74,21 +74,26 @@ def test_vllm_on_cpu_cannot_pair_an_mla_target_with_a_draft_of_its_own_attention
     assert not serving.vllm_serving(deepseek, reads_target_states=False, own_attention=False).here
 
 
-def test_vllm_serves_an_mtp_head_only_where_it_maps_the_target_to_an_mtp_class_of_the_exports_layout(vllm_answers):
-    """vLLM's own `hf_config_override` names the MTP class for each target: GLM-4.5's reads the layout our MTP
-    export writes; Llama has none; Qwen3-Next's reads another layout (`mtp.*`)."""
-    from speculators_train.families.mtp.settings import Settings
+def test_vllm_serves_an_mtp_head_only_where_it_maps_the_target_to_an_mtp_class_of_the_heads_style(vllm_answers):
+    """vLLM's own `hf_config_override` names the MTP class for each target: GLM-4.5's and DeepSeek-V3's run a
+    `deepseek`-style head in its layout, Qwen3-Next's a `qwen3_next` one in `mtp.*`; Llama has none."""
+    from speculators_train.families.mtp.settings import STYLE_CLASSES
 
-    classes = Settings.vllm_mtp_classes
-    assert serving.vllm_serving(config("glm4_moe", "Glm4MoeForCausalLM"), False, False, nextn_classes=classes).runs_here
-    none = serving.vllm_serving(config("llama", "LlamaForCausalLM"), False, False, nextn_classes=classes)
+    deepseek, qwen = STYLE_CLASSES["deepseek"], STYLE_CLASSES["qwen3_next"]
+    glm = config("glm4_moe", "Glm4MoeForCausalLM")
+    assert serving.vllm_serving(glm, False, False, nextn_classes=deepseek).runs_here
+    other = serving.vllm_serving(glm, False, False, nextn_classes=qwen)
+    assert other.problems and "with Glm4MoeMTPModel, whose weight layout is not this export's" in other.problems[0]
+    none = serving.vllm_serving(config("llama", "LlamaForCausalLM"), False, False, nextn_classes=deepseek)
     assert none.problems == [
         "vLLM has no MTP model for the target's architecture (its `hf_config_override` maps it to none)"
     ]
-    other = serving.vllm_serving(config("qwen3_next", "Qwen3NextForCausalLM"), False, False, nextn_classes=classes)
+    next_ = config("qwen3_next", "Qwen3NextForCausalLM")
+    assert not serving.vllm_serving(next_, False, False, nextn_classes=qwen).problems
+    other = serving.vllm_serving(next_, False, False, nextn_classes=deepseek)
     assert other.problems and "with Qwen3NextMTP, whose weight layout is not this export's" in other.problems[0]
-    deepseek = serving.vllm_serving(config("deepseek_v3", "DeepseekV3ForCausalLM"), False, False, nextn_classes=classes)
-    assert not deepseek.problems
+    v3 = config("deepseek_v3", "DeepseekV3ForCausalLM")
+    assert not serving.vllm_serving(v3, False, False, nextn_classes=deepseek).problems
 
 
 def test_a_multimodal_class_vllm_cannot_load_here_is_said_to_fail_here_only(vllm_answers):

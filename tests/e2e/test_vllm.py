@@ -455,3 +455,48 @@ def test_vllm_serves_our_mtp_head_on_a_glm_target_with_its_output_and_our_accept
     our_al = 1 + sum(steps) / len(steps)
     assert our_al > 2, steps  # a fitted head: a wrong position or state in vLLM would show here
     assert decoded.counts.acceptance_length == pytest.approx(our_al, rel=0.02), (decoded.counts, steps)
+
+
+def test_vllm_serves_our_qwen3_next_style_mtp_head_from_its_mtp_layout_and_accepts_its_drafts(tmp_path, capsys):
+    """What only this proves: a `qwen3_next`-style head, started from a Qwen3-Next target's own `mtp.*` layer and
+    fitted to vLLM's greedy reply, is exported in the layout vLLM's `Qwen3NextMTP` loads (every tensor of it) and
+    is run there as trained: vLLM accepts its drafts (a wrong tensor, norm or fed-back state would not: a head
+    fitted to another reply got AL 1.07 and 1.18 here). vLLM's CPU gated-delta kernels run bfloat16 and head dim
+    128 only, so the target is the matrix's with those heads, in bfloat16. There a verify pass of K + 1 tokens
+    rounds apart from a one-token pass, and the output leaves the target-only one after a dozen tokens (vLLM's
+    numerics; the GLM test proves the output in float32): acceptance is measured on the tokens before that. Our
+    loop does not run a recurrent target, so acceptance is vLLM's alone."""
+    from dataclasses import replace
+
+    from speculators_train.engines.vllm import Engine
+    from speculators_train.verify.run import load_draft_for
+    from tests.conftest import fit, prompt_ids
+    from tests.integration.test_targets import load, matrix_recipe
+    from tests.targets import BY_NAME, build
+
+    arch = BY_NAME["qwen3-next"]
+    heads = {"linear_key_head_dim": 128, "linear_value_head_dim": 128, "num_nextn_predict_layers": 1}
+    folder = build(replace(arch, config={**arch.config, **heads}), tmp_path / "target")
+    target = load(lambda _: folder, "qwen3-next")
+    prompt = prompt_ids(target)
+    options = {"dtype": "bfloat16", "in_process": True, "enable_prefix_caching": False}  # its 'align' mode: Triton
+    with Engine(str(folder), None, **options) as engine:
+        alone = engine.generate([prompt], 48, 0.0, 1.0, [0]).completions[0].tokens
+    _, checkpoint, _, _ = fit(target, tmp_path / "fit", "mtp", reply=alone, style="qwen3_next")
+    recipe = matrix_recipe(tmp_path, folder, "mtp", draft={"style": "qwen3_next"})
+    out = tmp_path / "export"
+    spec = printed_speculative_config(
+        capsys, ["export", str(recipe), "--checkpoint", str(checkpoint), "--out", str(out), "--dtype", "float32"]
+    )
+    assert spec == {"model": str(out), "method": "mtp", "num_speculative_tokens": 3}
+    loaded = load_draft_for(target, out)
+    assert loaded.draft.config.style == "qwen3_next" and loaded.draft.config.from_target
+    with Engine(str(folder), spec, **options) as engine:
+        drafted = engine.generate([prompt], len(alone), 0.0, 1.0, [0]).completions[0].tokens
+        # Acceptance where vLLM's output is still its target-only output (the head was fitted to that): decoded
+        # again up to there, the same steps run
+        same = next((i for i, (a, b) in enumerate(zip(drafted, alone, strict=True)) if a != b), len(alone))
+        assert same >= 8, (drafted, alone)
+        decoded = engine.generate([prompt], same, 0.0, 1.0, [0])
+    assert decoded.completions[0].tokens == alone[:same]
+    assert decoded.counts.acceptance_length > 2, decoded.counts

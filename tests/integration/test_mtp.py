@@ -117,3 +117,53 @@ def test_speculators_mtp_draft_model_loads_our_export_and_gives_our_logits_at_ev
             step = draft.step(state[:, :n], ids[:, 1 + k : 1 + k + n], torch.arange(k, k + n)[None])
             torch.testing.assert_close(draft.logits(step), their_logits[k], rtol=1e-4, atol=1e-4)
             state = draft.carry(step)
+
+
+def test_a_qwen3_next_style_head_is_written_in_the_mtp_layout_and_read_back_from_it(tmp_path):
+    """The `mtp` format writes a `qwen3_next`-style head where Qwen3-Next and Qwen3.5 checkpoints keep theirs
+    (`mtp.*`, the MoE block's experts one by one as vLLM's `Qwen3NextMTP` loads them) and reads it back exactly;
+    the target-only tensors (`model.layers.{n}`) of DeepSeek's layout are not written. `verify --engine vllm`
+    refuses a `deepseek`-style head on this target before exporting it: vLLM would run it as the other style."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from speculators_train.errors import UserError
+    from speculators_train.families.base import LoadedDraft
+    from speculators_train.recipe import load_recipe
+    from speculators_train.verify.vllm_run import run_vllm
+    from tests.conftest import SHAREGPT, make_recipe
+    from tests.targets import BY_NAME, build
+
+    folder = build(BY_NAME["qwen3-next"], tmp_path / "target")
+    family, fmt = get("mtp"), get("mtp").formats["mtp"]
+    config, weights = load_head_weights(TargetConfig(name_or_path=str(folder)))
+    start = start_of(config, weights, torch.ones(1), [], str(folder))
+    torch.manual_seed(0)
+    draft = family.new_draft(family.settings(family="mtp", style="qwen3_next"), start).eval()
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    files, tensors = fmt.write(draft, "float32", str(folder), config.architectures, 3)
+    assert files["speculators_train"]["style"] == "qwen3_next"
+    extras = {"mtp.fc.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"}
+    assert extras < set(tensors)
+    assert {"mtp.layers.0.mlp.experts.0.gate_proj.weight", "mtp.layers.0.self_attn.q_proj.weight"} < set(tensors)
+    assert not [name for name in tensors if name.startswith("model.layers.")]
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(files))
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    back, _ = fmt.read(out, files, config.num_hidden_layers)
+    assert back.config.style == "qwen3_next"
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items())
+    recipe = make_recipe(
+        tmp_path / "recipe",
+        [{"name": "s", "path": SHAREGPT}],
+        target={"name_or_path": str(folder)},
+        eval={"engine": "vllm"},
+    )
+    other = family.new_draft(family.settings(family="mtp"), start)
+    with pytest.raises(UserError, match=r"vLLM drafts MTP for Qwen3NextForCausalLM with Qwen3NextMTP, whose weight"):
+        run_vllm(load_recipe(recipe), [], LoadedDraft(family, other, tmp_path, False), tmp_path / "verify")

@@ -81,13 +81,13 @@ def cli(argv: list, capsys=None) -> tuple[int, str]:
     return code, " ".join(capsys.readouterr().err.split()) if capsys is not None else ""
 
 
-def matrix_recipe(tmp: Path, target: Path, family: str, **sections) -> Path:
+def matrix_recipe(tmp: Path, target: Path, family: str, draft: dict | None = None, **sections) -> Path:
     sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 24}]
     return make_recipe(
         tmp,
         sources,
         target={"name_or_path": str(target), "aux_layer_ids": AUX},
-        draft={"family": family, **SETTINGS[family]},
+        draft={"family": family, **SETTINGS[family], **(draft or {})},
         training={"epochs": 1, "batch_size": 4, "max_steps": 3, "wandb": {"mode": "disabled"}},
         export={"dtype": "float32"},
         eval={

@@ -176,7 +176,7 @@ def test_a_recipe_in_the_old_layout_is_told_the_new_spelling_with_its_own_values
         ("draft: {family: eagle3, loss: kl}", r"draft\.loss: Input should be 'ce', .*'lk' or 'lk_hybrid' \(got 'kl'\)"),
         (
             "draft: {family: mtp}\nexport: {format: speculators}",
-            r"draft\.style 'deepseek': export\.format 'speculators' runs the head as 'qwen3_next'",
+            r"draft\.style 'deepseek': export\.format 'speculators' \(MTPDraftModel\) runs the head as 'qwen3_next'",
         ),
     ],
     ids=[

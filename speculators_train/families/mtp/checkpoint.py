@@ -40,9 +40,10 @@ def one_layer_config(text: Any) -> Any:
     return config
 
 
-def block_from_checkpoint(tensors: dict[str, torch.Tensor], text: Any) -> dict[str, torch.Tensor]:
+def block_from_checkpoint(tensors: dict[str, torch.Tensor], text: Any, spelled: str) -> dict[str, torch.Tensor]:
     """The block's state dict from layer n's checkpoint tensors (`model.layers.{n}.` names, the MTP-only ones
-    removed): loaded by transformers into a one-layer model of the target's class, so its conversions apply."""
+    removed): loaded by transformers into a one-layer model of the target's class, so its conversions apply.
+    `spelled`: the layer's prefix in the file, for the error naming a tensor that does not fit."""
     n = text.num_hidden_layers
     prefix = f"model.layers.{n}."
     one = one_layer_config(text)
@@ -66,20 +67,23 @@ def block_from_checkpoint(tensors: dict[str, torch.Tensor], text: Any) -> dict[s
     if wrong or info["mismatched_keys"]:
         raise ValueError(
             f"the MTP layer's tensors do not fit a {type(model).__name__} layer: "
-            f"{', '.join(sorted(w.replace('model.layers.0.', prefix) for w in wrong)) or info['mismatched_keys']}"
+            f"{', '.join(sorted(w.replace('model.layers.0.', spelled) for w in wrong)) or info['mismatched_keys']}"
         )
     layer = model.get_decoder().layers[0]
     return {name: tensor.detach().clone() for name, tensor in layer.state_dict().items()}
 
 
 def target_mtp_tensors(target_dir: Path, n: int) -> dict[str, torch.Tensor]:
-    """The target checkpoint's MTP layer n (`model.layers.{n}.*`, which transformers drops on load) as stored; {}
-    when the target ships no MTP layer."""
+    """The target checkpoint's MTP layer as stored (`model.layers.{n}.*` for DeepSeek-V3 and GLM-4.5, `mtp.*` for
+    Qwen3-Next and Qwen3.5, which transformers drops on load); {} when the target ships none."""
     weight_map = _weight_map(target_dir)
-    prefix = f"model.layers.{n}."
-    files = sorted({f for k, f in weight_map.items() if k.startswith(prefix)}) if weight_map else ["model.safetensors"]
+    prefixes = (f"model.layers.{n}.", "mtp.")
+    if weight_map:
+        files = sorted({f for k, f in weight_map.items() if k.startswith(prefixes)})
+    else:
+        files = ["model.safetensors"]
     out: dict[str, torch.Tensor] = {}
     for name in files:
         with open_tensors(target_dir / name, "target weights") as fh:
-            out.update({k: fh.get_tensor(k).float() for k in fh.keys() if k.startswith(prefix)})  # noqa: SIM118
+            out.update({k: fh.get_tensor(k).float() for k in fh.keys() if k.startswith(prefixes)})  # noqa: SIM118
     return out

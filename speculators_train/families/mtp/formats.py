@@ -1,11 +1,17 @@
-"""The layout vLLM's `method: mtp` loads an MTP head from (DeepSeek-V3's, which GLM-4.5 and MiMo share): the
-target's own config and the head as the target's extra layer n = num_hidden_layers.
+"""The layouts vLLM's `method: mtp` loads an MTP head from: the target's own config, and the head's tensors where
+the target's checkpoint keeps its MTP layer, by the style the engine runs it in (`settings.Style`).
 
     config.json         the target's text config with num_nextn_predict_layers 1 (vLLM turns it into the MTP
-                        model type of the target's architecture), speculators_train {num_steps, from_target}
-    model.safetensors   model.layers.{n}.{enorm, hnorm, eh_proj, shared_head.norm}.weight, the block's tensors
-                        under model.layers.{n}. as the target's class names them, model.embed_tokens.weight and
-                        lm_head.weight (vLLM's MTP loader reads both as the head's shared embedding and head);
+                        model type of the target's architecture), speculators_train {num_steps, from_target, style}
+    model.safetensors   style deepseek (DeepSeek-V3's layout, which GLM-4.5 and MiMo share):
+                            model.layers.{n}.{enorm, hnorm, eh_proj, shared_head.norm}.weight and the block's tensors
+                            under model.layers.{n}., n = num_hidden_layers
+                        style qwen3_next (Qwen3-Next's and Qwen3.5's):
+                            mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm}.weight and the block's tensors
+                            under mtp.layers.0.
+                        the block's tensors as the target's class names them in its checkpoint;
+                        model.embed_tokens.weight and lm_head.weight (vLLM's MTP loaders read both as the head's
+                        shared embedding and head);
                         speculators_train.from_target: whether training started from the target's own MTP layer
 """
 
@@ -21,40 +27,61 @@ from speculators_train.families.base import ExportFormat
 from speculators_train.families.format_common import dict_field, export_tensors, load_checked, read_weights, vllm_serve
 from speculators_train.families.mtp.checkpoint import block_from_checkpoint, block_to_checkpoint
 from speculators_train.families.mtp.model import MTPDraft, checked_mtp_config
+from speculators_train.families.mtp.settings import STYLE_CLASSES
 from speculators_train.loading import reading
 
-# Our modules -> the DeepSeek MTP layer's, under model.layers.{n}. (the block's own tensors: `checkpoint.py`).
-EXTRAS = {"enorm.": "enorm.", "hnorm.": "hnorm.", "eh_proj.": "eh_proj.", "shared_norm.": "shared_head.norm."}
 SHARED = {"embed_tokens.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight"}
+EXTRAS_OURS = ("enorm.", "hnorm.", "eh_proj.", "shared_norm.")  # our modules around the block
+QWEN_PREFIX = "mtp."  # where Qwen3-Next's and Qwen3.5's checkpoints keep the MTP layer
+
+
+def layout(style: str, n: int) -> tuple[dict[str, str], str]:
+    """(our modules -> the file's names, the block's prefix) in `style`'s layout for a target of n layers."""
+    if style == "qwen3_next":
+        names = ("pre_fc_norm_embedding.", "pre_fc_norm_hidden.", "fc.", "norm.")
+        return dict(zip(EXTRAS_OURS, (QWEN_PREFIX + name for name in names), strict=True)), QWEN_PREFIX + "layers.0."
+    names = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
+    return dict(zip(EXTRAS_OURS, (f"model.layers.{n}.{name}" for name in names), strict=True)), f"model.layers.{n}."
 
 
 def to_files(draft: MTPDraft, dtype: str) -> dict[str, torch.Tensor]:
-    text, prefix = draft.config.text, f"model.layers.{draft.config.target_num_layers}."
+    n = draft.config.target_num_layers
+    extras, block_prefix = layout(draft.config.style, n)
     tensors = export_tensors(draft, dtype)
     block = {name[len("block.") :]: t for name, t in tensors.items() if name.startswith("block.")}
     out = {SHARED[name]: t for name, t in tensors.items() if name in SHARED}
-    for ours, theirs in EXTRAS.items():
-        out.update({prefix + theirs + n[len(ours) :]: t for n, t in tensors.items() if n.startswith(ours)})
-    return {**out, **{name: t.contiguous() for name, t in block_to_checkpoint(block, text).items()}}
+    for ours, theirs in extras.items():
+        out.update({theirs + name[len(ours) :]: t for name, t in tensors.items() if name.startswith(ours)})
+    in_target = f"model.layers.{n}."  # where `block_to_checkpoint` puts them
+    for name, tensor in block_to_checkpoint(block, draft.config.text).items():
+        out[block_prefix + name[len(in_target) :]] = tensor.contiguous()
+    return out
 
 
 def from_files(weights: dict[str, torch.Tensor], text: Any, n: int) -> dict[str, torch.Tensor]:
-    """Our state dict from an export's or a target's tensors (the target's other layers ignored)."""
-    prefix = f"model.layers.{n}."
+    """Our state dict from an export's or a target's tensors in either layout (the target's other layers
+    ignored)."""
+    style = "qwen3_next" if any(name.startswith(QWEN_PREFIX) for name in weights) else "deepseek"
+    extras, block_prefix = layout(style, n)
     out = {ours: weights[theirs] for ours, theirs in SHARED.items() if theirs in weights}
-    layer = {name: t for name, t in weights.items() if name.startswith(prefix)}
-    for ours, theirs in EXTRAS.items():
-        for name in [name for name in layer if name.startswith(prefix + theirs)]:
-            out[ours + name[len(prefix + theirs) :]] = layer.pop(name)
-    layer = {name: t for name, t in layer.items() if not name.startswith(prefix + "shared_head.head")}
-    if layer:
-        out.update({"block." + name: t for name, t in block_from_checkpoint(layer, text).items()})
+    layer = {name: t for name, t in weights.items() if name.startswith(block_prefix) or name.startswith(QWEN_PREFIX)}
+    for ours, theirs in extras.items():
+        for name in [name for name in layer if name.startswith(theirs)]:
+            out[ours + name[len(theirs) :]] = layer.pop(name)
+    in_target = f"model.layers.{n}."  # where `block_from_checkpoint` reads them
+    block = {
+        in_target + name[len(block_prefix) :]: t
+        for name, t in layer.items()
+        if not name.startswith(block_prefix + "shared_head.head")
+    }
+    if block:
+        out.update({"block." + name: t for name, t in block_from_checkpoint(block, text, block_prefix).items()})
     return out
 
 
 class MTPFormat(ExportFormat):
     name = "mtp"
-    engines = "vLLM (`method: mtp`, for targets with an MTP model class: DeepSeek-V3, GLM-4.5, MiMo, ...)"
+    engines = "vLLM (`method: mtp`, for targets with an MTP model class: DeepSeek-V3, GLM-4.5, Qwen3-Next, ...)"
 
     def detect(self, config: dict[str, Any]) -> bool:
         return "num_nextn_predict_layers" in config and "speculators_train" in config
@@ -77,11 +104,14 @@ class MTPFormat(ExportFormat):
             **cfg.layer_config,
             "architectures": architectures,
             "num_nextn_predict_layers": 1,
-            "speculators_train": {"num_steps": cfg.num_steps, "from_target": cfg.from_target},
+            "speculators_train": {"num_steps": cfg.num_steps, "from_target": cfg.from_target, "style": cfg.style},
             "torch_dtype": dtype,
             "transformers_version": transformers.__version__,
         }
         return config, to_files(draft, dtype)
+
+    def vllm_mtp_classes(self, draft: MTPDraft) -> tuple[str, ...]:
+        return STYLE_CLASSES[draft.config.style]
 
     def vllm_speculative_config(self, out: Path, k: int) -> dict[str, Any]:
         return {"model": str(out), "method": "mtp", "num_speculative_tokens": k}

@@ -13,6 +13,11 @@ MAX_STEPS = 16
 # block's pre-norm output back (vLLM's DeepSeek-V3 and GLM-4.5 MTP); "qwen3_next" feeds the normed output back and
 # zeroes nothing (vLLM's Qwen3-Next and Qwen3.5 MTP, speculators' MTPDraftModel).
 Style = Literal["deepseek", "qwen3_next"]
+# vLLM's MTP classes that run each style, each reading that style's layout (`formats.py`)
+STYLE_CLASSES: dict[str, tuple[str, ...]] = {
+    "deepseek": ("DeepSeekMTPModel", "Glm4MoeMTPModel"),
+    "qwen3_next": ("Qwen3NextMTP", "Qwen3_5MTP", "Qwen3_5MoeMTP"),
+}
 
 
 class Settings(FamilySettings):
@@ -24,8 +29,8 @@ class Settings(FamilySettings):
     loss: Divergence = Field("ce", description="The divergence to the target's distribution per step.")
     style: Style = Field(
         "deepseek",
-        description="How the engine runs the head: 'deepseek' for export.format mtp "
-        "(vLLM's DeepSeek-V3 and GLM-4.5 MTP), 'qwen3_next' for export.format speculators (speculators' MTPDraftModel)",
+        description="How the engine runs the head: 'deepseek' for vLLM's DeepSeek-V3 and GLM-4.5 MTP, 'qwen3_next' "
+        "for vLLM's Qwen3-Next and Qwen3.5 MTP and for export.format speculators (speculators' MTPDraftModel)",
     )
 
     formats: ClassVar[dict[str, str]] = {
@@ -33,8 +38,7 @@ class Settings(FamilySettings):
         "speculators": "speculators_format:MTPSpeculatorsFormat",
     }
     vllm_format: ClassVar[str | None] = "mtp"
-    # vLLM's MTP classes of DeepSeek-V3's layout (`formats.py`); Qwen3-Next's and Qwen3.5's read `mtp.*`.
-    vllm_mtp_classes: ClassVar[tuple[str, ...]] = ("DeepSeekMTPModel", "Glm4MoeMTPModel")
+    vllm_mtp_classes: ClassVar[tuple[str, ...]] = (*STYLE_CLASSES["deepseek"], *STYLE_CLASSES["qwen3_next"])
     target_states: ClassVar[TargetStates] = "final"  # the last state, through the target's norm
 
     def target_problems(self, target_config: Any) -> list[str]:
@@ -52,9 +56,8 @@ class Settings(FamilySettings):
         problems = []
         if recipe.eval.mode == "tree":
             problems.append("eval.mode 'tree': an MTP head drafts chains here")
-        wanted = {"mtp": "deepseek", "speculators": "qwen3_next"}.get(recipe.export.format)
-        if wanted and self.style != wanted:
+        if recipe.export.format == "speculators" and self.style != "qwen3_next":
             problems.append(
-                f"draft.style {self.style!r}: export.format {recipe.export.format!r} runs the head as {wanted!r}"
+                f"draft.style {self.style!r}: export.format 'speculators' (MTPDraftModel) runs the head as 'qwen3_next'"
             )
         return problems
