@@ -6,6 +6,10 @@ For verify step t with K drafted positions (a tree counts its depth), a_t is the
     draft acceptance rate      = sum(a_t) / (steps * K)
 a_t is what the target accepted, counted before the output is cut at EOS or the token limit (as vLLM's
 sampler counts it), so the last step of a sequence may count drafts that were not emitted.
+
+Two ALs, as peers report them: `acceptance_length` pools every verify step of every request (vLLM's and SGLang's
+metrics); `acceptance_length_per_request_mean` is the mean of each request's own AL (SpecForge's benchmark). They
+differ when requests accept unevenly, so a comparison with a peer's figure must use the same one.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ def score(
         "verify": sum(g.verify_seconds for g in speculative),
     }
     phases["bookkeeping"] = max(spec_s - sum(phases.values()), 0.0)
+    per_request = [acceptance(g.accepted, k)["acceptance_length"] for g in speculative]
+    known = [al for al in per_request if al is not None]
     record = {
         "suite": suite,
         "shape": shape,
@@ -69,7 +75,8 @@ def score(
         "top_p": top_p,
         "prompts": len(speculative),
         **acceptance(accepted, k),
-        "per_prompt_acceptance_length": [acceptance(g.accepted, k)["acceptance_length"] for g in speculative],
+        "acceptance_length_per_request_mean": sum(known) / len(known) if known else None,
+        "per_prompt_acceptance_length": per_request,
         "tokens": spec_tokens,
         "target_only_tokens_per_s": base_rate,
         "speculative_tokens_per_s": spec_rate,
@@ -103,11 +110,18 @@ def engine_cell(record: dict[str, Any]) -> str:
     return f"{engine} (batch {record['batch']})" if record.get("batch") else engine
 
 
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def markdown(records: list[dict[str, Any]]) -> str:
+    """The records as a table; "AL pooled" is over every verify step, "AL per-request mean" the mean of each
+    request's AL (`-` where the engine counts only the whole run)."""
     head = (
-        "| engine | suite | shape | T | prompts | AL | per-position acceptance | draft acc. rate | steps "
-        "| target-only tok/s | spec tok/s | speedup (prompt IQR) | draft / verify / other s | greedy identical |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| engine | suite | shape | T | prompts | AL pooled | AL per-request mean | per-position acceptance "
+        "| draft acc. rate | steps | target-only tok/s | spec tok/s | speedup (prompt IQR) | draft / verify / other s "
+        "| greedy identical |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for r in records:
@@ -118,7 +132,7 @@ def markdown(records: list[dict[str, Any]]) -> str:
             phases = "-"
         rows.append(
             f"| {engine_cell(r)} | {r['suite']} | {r['shape']} | {r['temperature']:g} | {r['prompts']} "
-            f"| {r['acceptance_length']:.2f} "
+            f"| {r['acceptance_length']:.2f} | {_number(r.get('acceptance_length_per_request_mean'))} "
             f"| {' '.join(f'{x:.2f}' for x in r['per_position_acceptance'])} | {r['draft_acceptance_rate']:.3f} "
             f"| {r['steps']} | {r['target_only_tokens_per_s']:.1f} | {r['speculative_tokens_per_s']:.1f} "
             f"| {speedup_cell(r)} | {phases} | {r.get('greedy_identical_outputs', '-')} |"

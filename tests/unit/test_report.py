@@ -33,3 +33,19 @@ def test_speedup_is_overall_tokens_per_second_and_its_spread_pairs_each_prompt_w
     assert record["per_prompt_speedup_quartiles"] == pytest.approx([1.875, 2.25, 2.625])
     assert speedup_cell(record) == f"{record['speedup']:.2f}x (1.88-2.62)"
     assert "(1.88-2.62)" in markdown([record])
+
+
+def test_both_als_are_reported_and_differ_when_requests_accept_unevenly():
+    """Pooled over steps (vLLM, SGLang): a long request that accepts little weighs more; the per-request mean
+    (SpecForge) weighs each request once. One request of 4 steps accepting nothing and one of 1 step accepting 2:
+    pooled 1 + 2/5 = 1.4, per-request mean (1 + 3) / 2 = 2.0."""
+    baseline = [Generation(tokens=[1] * 4, seconds=1.0), Generation(tokens=[1] * 3, seconds=1.0)]
+    speculative = [
+        Generation(tokens=[1] * 4, accepted=[0, 0, 0, 0], seconds=1.0),
+        Generation(tokens=[1] * 3, accepted=[2], seconds=1.0),
+    ]
+    record = score("suite", "chain(K=2)", 2, 0.0, 1.0, speculative, baseline)
+    assert record["acceptance_length"] == pytest.approx(1.4)
+    assert record["acceptance_length_per_request_mean"] == pytest.approx(2.0)
+    row = markdown([record]).splitlines()[2]
+    assert "| 1.40 | 2.00 |" in row
