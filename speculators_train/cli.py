@@ -174,6 +174,31 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Exit 1 when a check fails (a draft the engine would run otherwise than trained, data the server renders
+    otherwise), after printing every check with its fix."""
+    from speculators_train.doctor.report import failed
+    from speculators_train.doctor.run import doctor
+
+    recipe = _recipe(args, target=False)
+    engine = args.serve_engine or {"sglang": "sglang", "gguf": "llama.cpp"}.get(recipe.export.format, "vllm")
+    out_dir, checks = doctor(
+        recipe,
+        Path(args.draft) if args.draft else None,
+        Path(args.checkpoint) if args.checkpoint else None,
+        engine,
+        Path(args.out) if args.out else None,
+    )
+    colours = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+    out = Console(markup=False, soft_wrap=True)  # whole lines: a field's values are never cut at the width
+    for c in checks:
+        out.print(Text.assemble((f"{c.status:>4}", colours[c.status]), f"  {c.name}: {c.detail}"), highlight=False)
+        if c.fix:
+            out.print(f"      fix: {c.fix}", highlight=False)
+    console.print(f"report: {out_dir / 'doctor.md'} and doctor.json")
+    return 1 if failed(checks) else 0
+
+
 def cmd_osd(args: argparse.Namespace) -> int:
     """Ingest production logs exactly once; unless --ingest-only, score, distil and promote (polling with --watch)."""
     recipe = _recipe(args)
@@ -241,6 +266,7 @@ COMMANDS = {
     "validate": (cmd_validate, "check every hidden-state shard against the manifest (recipe or directory)"),
     "verify": (cmd_verify, "speculative decoding with the real target: acceptance length, speedup, exactness"),
     "export": (cmd_export, "write the draft in a format its engine loads (vLLM, SGLang), with tokenizer and a card"),
+    "doctor": (cmd_doctor, "why a served draft accepts less: the export as the engine reads it, data, K"),
     "osd": (cmd_osd, "online distillation on production logs: ingest, score, distil, promote a better draft"),
 }
 
@@ -267,6 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", help="output dir; default <run dir>/export/<format>")
             p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: export.dtype")
             p.add_argument("--force", action="store_true", help="replace an existing output dir")
+        if name == "doctor":
+            p.add_argument("--draft", help="the export to check; default <run dir>/export/<export.format>")
+            p.add_argument("--checkpoint", help="the trained checkpoint it came from; default: the recipe's best")
+            p.add_argument(
+                "--engine", dest="serve_engine", choices=["vllm", "llama.cpp", "sglang"],
+                help="the engine that serves it; default: the one export.format is for",
+            )  # fmt: skip
+            p.add_argument("--out", help="report dir; default <run dir>/doctor/<timestamp>")
         if name == "osd":
             p.add_argument("--logs", help="directory of JSONL logs; default: osd.logs")
             p.add_argument("--watch", action="store_true", help="keep polling for new files and lines")

@@ -1,0 +1,1 @@
+"""`speculators-train doctor`: why a draft accepts less when served than it did in training."""

@@ -1,0 +1,55 @@
+"""Data against serve: what the training states were made with (the hidden-state manifest's identity) against the
+target as it is now and the dtype the draft is served in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from speculators_train.doctor.report import Check
+from speculators_train.errors import UserError
+from speculators_train.hidden_states.shards import read_manifest
+
+# identity key -> (what it is, the fix when the target's differs)
+RENDERING = {
+    "chat_template_hash": (
+        "chat template",
+        "the target's chat template changed after the states were made: the server renders prompts the draft never "
+        "saw; regenerate the states (`speculators-train generate`) and retrain, or serve with the old template",
+    ),
+    "tokenizer_hash": (
+        "tokenizer",
+        "the target's tokenizer changed after the states were made; regenerate the states and retrain",
+    ),
+}
+
+
+def check_data(states_dir: Path, now: dict[str, Any], serve_dtype: str) -> list[Check]:
+    """`now`: the target's identity today (`Target.identity`)."""
+    try:
+        stored = read_manifest(states_dir)["identity"]
+    except UserError as exc:
+        return [Check("training data against the target", "skip", str(exc))]
+    checks = []
+    for key, (what, fix) in RENDERING.items():
+        same = stored.get(key) == now.get(key)
+        detail = f"{what} of the training states {'is' if same else 'is not'} the target's ({stored.get(key)}"
+        detail += ")" if same else f" there, {now.get(key)} now)"
+        checks.append(
+            Check(f"{what}: training against serving", "pass" if same else "fail", detail, "" if same else fix)
+        )
+    stored_dtype = stored.get("storage_dtype")
+    engine = stored.get("capture_engine", "transformers")
+    same = stored_dtype == serve_dtype
+    checks.append(
+        Check(
+            "state dtype: training against serving",
+            "pass" if same else "warn",
+            f"states captured by {engine} in {stored_dtype}, the draft served in {serve_dtype}",
+            ""
+            if same
+            else f"capture the states in {serve_dtype} (generation.storage_dtype) or serve the draft in "
+            f"{stored_dtype} (export.dtype): the draft learnt the rounding of the states it read",
+        )
+    )
+    return checks

@@ -1,0 +1,77 @@
+"""`speculators-train doctor <recipe>`: the export against the trained checkpoint as the serving engine reads it,
+the training data against the target as served, and the K a verify run's measurements recommend."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from speculators_train.doctor.data import check_data
+from speculators_train.doctor.k import check_k
+from speculators_train.doctor.report import Check, write
+from speculators_train.doctor.serve import check_export, check_vllm
+from speculators_train.errors import UserError
+from speculators_train.export.run import latest_verify_report
+from speculators_train.families.base import LoadedDraft
+from speculators_train.families.drafts import check_fits, load_draft
+from speculators_train.head import load_head_weights
+from speculators_train.layout import checkpoints_dir, export_dir
+from speculators_train.loading import read_json_object
+from speculators_train.origin import resolve_origin
+from speculators_train.recipe import Recipe
+from speculators_train.target import load_target
+
+
+def served_dtype(config: dict, default: str) -> str:
+    """The float dtype an export's config names (`dtype`, or the older `torch_dtype`)."""
+    return str(config.get("dtype") or config.get("torch_dtype") or default)
+
+
+def serve_checks(recipe: Recipe, loaded: LoadedDraft, export: Path, engine: str) -> list[Check]:
+    """The export at `export` against the checkpoint `loaded`, and as `engine` reads it."""
+    target_config, head = load_head_weights(recipe.target)
+    loaded.family.attach_target(loaded.draft, head["embed"], loaded.has_embedding)
+    if not (export / "config.json").is_file():
+        return [Check("export", "skip", f"no export at {export}", "run `speculators-train export <recipe>`")]
+    on_disk = read_json_object(export / "config.json", "export config")
+    fmt = next((f for f in loaded.family.formats.values() if f.detect(on_disk)), None)
+    if fmt is None:
+        raise UserError(f"{export}: not an export of a {loaded.family.name} draft")
+    if fmt.draft_file:
+        return [Check(f"{fmt.name} export", "skip", "a GGUF export: its metadata is not compared yet")]
+    _, hub_id = resolve_origin(recipe.target)
+    verifier = recipe.export.verifier or hub_id or recipe.target.name_or_path
+    architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
+    k = loaded.family.draft_tokens(loaded.draft, recipe.eval.num_speculative_tokens)
+    dtype = served_dtype(on_disk, recipe.export.dtype)
+    fresh = fmt.write(loaded.draft, dtype, verifier, architectures, k)
+    checks = check_export(loaded, fmt, export, fresh)
+    if engine == "vllm":
+        try:
+            checks.append(check_vllm(export, fresh[0]))
+        except ImportError:
+            checks.append(Check("vLLM reads the export as trained", "skip", "vLLM is not installed here"))
+    return checks
+
+
+def doctor(
+    recipe: Recipe, export: Path | None, checkpoint: Path | None, engine: str, out_dir: Path | None
+) -> tuple[Path, list[Check]]:
+    """Every check, written to `out_dir` (default <run dir>/doctor/<timestamp>)."""
+    export = export or export_dir(recipe.run_dir) / recipe.export.format
+    target = load_target(recipe.target)
+    loaded = load_draft(checkpoint or checkpoints_dir(recipe.run_dir), target.num_layers)
+    check_fits(loaded, target.hidden_size, target.vocab_size, target.num_layers)
+    identity = target.identity()
+    del target
+    checks = serve_checks(recipe, loaded, export, engine)
+    serve_dtype = recipe.export.dtype
+    if (export / "config.json").is_file():
+        serve_dtype = served_dtype(read_json_object(export / "config.json", "export config"), serve_dtype)
+    checks += check_data(recipe.hidden_states_dir, identity, serve_dtype)
+    report = latest_verify_report(recipe, loaded.path)
+    records = [r for r in (report[1] if report else []) if r.get("engine", "native") == "native"]
+    checks.append(check_k(records[0] if records else None, f"{recipe.run_dir / 'verify'}"))
+    out_dir = out_dir or recipe.run_dir / "doctor" / time.strftime("%Y%m%d-%H%M%S")
+    write(out_dir, checks, f"doctor: {recipe.source_path}, {engine}")
+    return out_dir, checks
