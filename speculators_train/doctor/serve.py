@@ -51,11 +51,12 @@ def tensor_diffs(trained: dict[str, torch.Tensor], exported: dict[str, torch.Ten
 
 
 def vllm_reading(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The draft config vLLM builds from a speculators-format config.json (its own reader); None for a config that
-    is not one."""
+    """The draft config vLLM builds from a speculators-format config.json (its own reader); None for a config its
+    speculators reader does not take (another layout, or a type vLLM reads with a config class of its own)."""
+    from vllm.transformers_utils.configs.speculators.algos import SUPPORTED_SPECULATORS_TYPES
     from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
-    if "speculators_model_type" not in config:
+    if config.get("speculators_model_type") not in SUPPORTED_SPECULATORS_TYPES:
         return None
     return SpeculatorsConfig.extract_transformers_pre_trained_config(copy.deepcopy(config))
 
@@ -105,8 +106,8 @@ def check_vllm(export: Path, fresh_config: dict[str, Any]) -> Check:
     except (KeyError, ValueError, TypeError) as exc:
         return Check("vLLM reads the export as trained", "fail", f"vLLM's reader refuses it: {exc}", "export again")
     if theirs is None or ours is None:
-        return Check("vLLM reads the export as trained", "skip", "not a speculators-format export: vLLM reads the "
-                     "target's own config for it")  # fmt: skip
+        return Check("vLLM reads the export as trained", "skip", "vLLM's speculators reader does not take this "
+                     "export (it reads it with the model's own config class)")  # fmt: skip
     wrong = config_diffs(ours, theirs)
     if wrong:
         detail = "; ".join(f"{k}: trained {a!r}, vLLM will use {b!r}" for k, a, b in wrong)

@@ -159,6 +159,8 @@ def test_the_proposer_drafts_the_same_tokens_on_the_packed_weights_verify_uses(t
 
 
 def test_every_export_format_reads_back_to_the_same_draft(tmp_path, target, fresh):
+    from speculators_train.doctor.run import serve_checks
+
     family, _, draft = fresh
     recipe = load_recipe(
         make_recipe(tmp_path, [{"name": "s", "path": SHAREGPT, "max_records": 8}], draft={"family": family.name})
@@ -175,6 +177,9 @@ def test_every_export_format_reads_back_to_the_same_draft(tmp_path, target, fres
         theirs = draft_state_dict(loaded.draft)
         for key, tensor in draft_state_dict(draft).items():
             assert torch.equal(theirs[key], tensor), f"{name}: {key}"
+        # `doctor` finds the export as trained, in vLLM's reading too
+        checks = serve_checks(recipe, load_draft(checkpoint, target.num_layers), out, "vllm")
+        assert [c for c in checks if c.status == "fail"] == [], name
 
 
 FULL_VOCABULARY = [f for f in families.FAMILIES if "draft_vocab_size" in families.get(f).settings.model_fields]
