@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from speculators_train.doctor.acceptance import check_exposure, check_vocabulary
 from speculators_train.doctor.data import check_data
 from speculators_train.doctor.k import check_k
 from speculators_train.doctor.report import Check, write
@@ -15,11 +16,25 @@ from speculators_train.export.run import latest_verify_report
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft
 from speculators_train.head import load_head_weights
-from speculators_train.layout import checkpoints_dir, export_dir
+from speculators_train.layout import checkpoints_dir, export_dir, held_out_metrics
 from speculators_train.loading import read_json_object
 from speculators_train.origin import resolve_origin
+from speculators_train.proposal import Sampling
 from speculators_train.recipe import Recipe
-from speculators_train.target import load_target
+from speculators_train.target import Target, load_target
+from speculators_train.verify.decoder import decode_plain
+from speculators_train.verify.run import eos_ids
+from speculators_train.verify.suites import load_suite
+
+
+def greedy_replies(recipe: Recipe, target: Target) -> tuple[list[list[int]], str]:
+    """The target's greedy replies to the first eval suite's prompts (eval.num_prompts, eval.max_new_tokens)."""
+    ev = recipe.eval
+    suite = load_suite(recipe.resolve_path(ev.suites[0], "eval.suites"), recipe, target, ev.num_prompts)
+    max_new = ev.max_new_tokens or suite.config.max_new_tokens
+    eos = eos_ids(target)
+    replies = [decode_plain(target, p.ids, max_new, eos, Sampling(), None).tokens for p in suite.prompts]
+    return replies, f"{len(replies)} prompts of {suite.config.name}"
 
 
 def served_dtype(config: dict, default: str) -> str:
@@ -63,6 +78,7 @@ def doctor(
     loaded = load_draft(checkpoint or checkpoints_dir(recipe.run_dir), target.num_layers)
     check_fits(loaded, target.hidden_size, target.vocab_size, target.num_layers)
     identity = target.identity()
+    greedy, where = greedy_replies(recipe, target)
     del target
     checks = serve_checks(recipe, loaded, export, engine)
     serve_dtype = recipe.export.dtype
@@ -71,7 +87,10 @@ def doctor(
     checks += check_data(recipe.hidden_states_dir, identity, serve_dtype)
     report = latest_verify_report(recipe, loaded.path)
     records = [r for r in (report[1] if report else []) if r.get("engine", "native") == "native"]
-    checks.append(check_k(records[0] if records else None, f"{recipe.run_dir / 'verify'}"))
+    record = records[0] if records else None
+    checks.append(check_vocabulary(loaded, greedy, where))
+    checks.append(check_exposure(record, held_out_metrics(loaded.path)))
+    checks.append(check_k(record, f"{recipe.run_dir / 'verify'}"))
     out_dir = out_dir or recipe.run_dir / "doctor" / time.strftime("%Y%m%d-%H%M%S")
     write(out_dir, checks, f"doctor: {recipe.source_path}, {engine}")
     return out_dir, checks

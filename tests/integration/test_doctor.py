@@ -26,6 +26,7 @@ def case(fitted, states, tmp_path_factory):
         [{"name": "s", "path": SHAREGPT}],
         draft={"family": "eagle3", "norm_output": True},
         export={"dtype": "float32"},
+        eval={"suites": ["eval/suites/sharegpt-held-out.yaml"], "num_prompts": 2, "max_new_tokens": 16},
     )
     recipe = load_recipe(path)
     recipe.hidden_states_dir.mkdir(parents=True)
@@ -128,3 +129,26 @@ def test_the_command_prints_every_check_and_exits_1_on_a_failure(case, tmp_path,
     assert "vLLM will use False" in out and "export again" in out
     report = json.loads((tmp_path / "report" / "doctor.json").read_text())
     assert {c["status"] for c in report} >= {"fail", "pass"}
+
+
+def test_a_vocabulary_without_the_targets_tokens_is_a_ceiling_named_with_its_share(case, target, tmp_path):
+    """A draft whose vocabulary was built from other data (here: the top 512 ids, which the target's replies do
+    not use) can accept nothing where the next token is outside it."""
+    from speculators_train.families import get
+    from speculators_train.head import load_head_weights
+    from speculators_train.recipe import TargetConfig
+    from speculators_train.training.checkpoint import save_checkpoint
+    from tests.conftest import start_of
+
+    recipe = case[0]
+    family = get("eagle3")
+    freq = torch.zeros(target.vocab_size, dtype=torch.int64)
+    freq[-512:] = 1
+    config, weights = load_head_weights(TargetConfig())
+    settings = family.settings(family="eagle3", norm_output=True, **family.settings.small.settings)
+    draft = family.new_draft(settings, start_of(config, weights, freq, target.aux_layer_ids))
+    checkpoint = save_checkpoint(tmp_path / "ckpt", 1, draft, None, {"step": 1}, keep_last=1)
+    out = export(recipe, checkpoint, "speculators", tmp_path / "out", "float32").path
+    _, checks = doctor(recipe, out, checkpoint, "vllm", tmp_path / "report")
+    check = {c.name: c for c in checks}["draft vocabulary covers the target's tokens"]
+    assert check.status == "warn" and "(100.0%) are outside" in check.detail, check.detail

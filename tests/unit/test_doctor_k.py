@@ -33,3 +33,12 @@ def test_a_k_past_where_acceptance_pays_is_a_warning_naming_the_best():
     assert check.status == "warn" and "serve at K=2" in check.fix
     assert check_k(record([0.9, 0.9, 0.9, 0.9]), "runs/x/verify").status == "pass"
     assert check_k(None, "runs/x/verify").status == "skip"
+
+
+def test_a_loop_far_below_trainings_prediction_is_a_warning_with_its_causes():
+    from speculators_train.doctor.acceptance import check_exposure
+
+    loop = {**record([0.5, 0.2, 0.1, 0.0]), "acceptance_length": 1.8}
+    assert check_exposure(loop, {"predicted_al_4": 2.9}).status == "warn"  # 0.8 of 1.9 accepted predicted
+    assert check_exposure(loop, {"predicted_al_4": 1.9}).status == "pass"
+    assert check_exposure(loop, {"predicted_al_3": 1.9}).status == "skip"  # no prediction at the run's K

@@ -1,0 +1,58 @@
+"""Acceptance explained: the draft vocabulary's ceiling on the target's own greedy tokens, and the loop's acceptance
+against what teacher-forced validation predicted in training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from speculators_train.doctor.report import Check
+from speculators_train.families.base import LoadedDraft
+from speculators_train.families.objective import predicted_al_key
+from speculators_train.families.vocab import draft_to_target
+
+CEILING_WARN = 0.05  # a share of greedy tokens outside the draft vocabulary worth a user's attention
+
+
+def check_vocabulary(loaded: LoadedDraft, greedy: list[list[int]], where: str) -> Check:
+    """The share of the target's greedy tokens (on `where`'s prompts) that the draft cannot propose: a position
+    whose next token is outside its vocabulary is never accepted, whatever the training."""
+    d2t = getattr(loaded.draft, "d2t", None)
+    if d2t is None:
+        return Check("draft vocabulary covers the target's tokens", "pass", "the draft proposes every target id")
+    inside = torch.zeros(int(d2t.numel() + d2t.max().item() + 1), dtype=torch.bool)
+    inside[draft_to_target(d2t.cpu())] = True
+    tokens = [t for reply in greedy for t in reply]
+    if not tokens:
+        return Check("draft vocabulary covers the target's tokens", "skip", f"no greedy tokens on {where}")
+    outside = sum(1 for t in tokens if t >= inside.numel() or not inside[t])
+    share = outside / len(tokens)
+    detail = f"{outside} of the target's {len(tokens)} greedy tokens on {where} ({share:.1%}) are outside the "
+    detail += f"draft's {d2t.numel()}-token vocabulary"
+    if share > CEILING_WARN:
+        fix = "build the vocabulary from data like these prompts (a larger draft_vocab_size, or this data in the mix)"
+        return Check("draft vocabulary covers the target's tokens", "warn", detail, fix)
+    return Check("draft vocabulary covers the target's tokens", "pass", detail)
+
+
+def check_exposure(record: dict[str, Any] | None, held_out: dict[str, Any]) -> Check:
+    """The loop's AL against the AL teacher-forced validation predicted at the same K: drafting from its own
+    drafts (exposure bias), a train-serve difference or held-out data unlike the suites show as a gap."""
+    name = "loop acceptance against training's prediction"
+    if record is None:
+        return Check(name, "skip", "no verify run of this checkpoint", "run `speculators-train verify <recipe>`")
+    k = record["num_speculative_tokens"]
+    predicted = held_out.get(predicted_al_key(k))
+    if predicted is None:
+        return Check(name, "skip", f"the checkpoint holds no held-out prediction at K={k}")
+    loop = record["acceptance_length"]
+    detail = f"loop AL {loop:.2f} on {record['suite']} at K={k}, T={record['temperature']:g}; teacher-forced "
+    detail += f"validation predicted {predicted:.2f}"
+    if loop - 1 < 0.8 * (predicted - 1):
+        fix = (
+            "a gap this large is a train-serve difference (the checks above), held-out data unlike the suites, "
+            "or exposure bias: train more steps on the draft's own outputs (TTT depth)"
+        )
+        return Check(name, "warn", detail, fix)
+    return Check(name, "pass", detail)
