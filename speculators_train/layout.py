@@ -11,6 +11,7 @@ fails on a run file named anywhere else).
       train/checkpoints/best.json              {"step": 80, "metric": ..., "value": ...}
       verify/<time>/results.json               one `verify` run's records
       export/<format>/                         what `export` writes
+      doctor/<time>/doctor.md, doctor.json     one `doctor` run's checks
       osd/                                     online distillation (its own files: osd/distill.py, osd/ingest.py)
 
 The hidden states live in `recipe.hidden_states_dir`, their files named and read by `hidden_states/shards.py`.
@@ -48,6 +49,10 @@ def verify_dir(run_dir: Path) -> Path:
 
 def export_dir(run_dir: Path) -> Path:
     return run_dir / "export"
+
+
+def doctor_dir(run_dir: Path) -> Path:
+    return run_dir / "doctor"
 
 
 def osd_dir(run_dir: Path) -> Path:

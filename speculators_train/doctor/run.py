@@ -16,7 +16,7 @@ from speculators_train.export.run import latest_verify_report
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft
 from speculators_train.head import load_head_weights
-from speculators_train.layout import checkpoints_dir, export_dir, held_out_metrics
+from speculators_train.layout import checkpoints_dir, doctor_dir, export_dir, held_out_metrics, verify_dir
 from speculators_train.loading import read_json_object
 from speculators_train.origin import resolve_origin
 from speculators_train.proposal import Sampling
@@ -90,7 +90,7 @@ def doctor(
     record = records[0] if records else None
     checks.append(check_vocabulary(loaded, greedy, where))
     checks.append(check_exposure(record, held_out_metrics(loaded.path)))
-    checks.append(check_k(record, f"{recipe.run_dir / 'verify'}"))
-    out_dir = out_dir or recipe.run_dir / "doctor" / time.strftime("%Y%m%d-%H%M%S")
+    checks.append(check_k(record, str(verify_dir(recipe.run_dir))))
+    out_dir = out_dir or doctor_dir(recipe.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     write(out_dir, checks, f"doctor: {recipe.source_path}, {engine}")
     return out_dir, checks
