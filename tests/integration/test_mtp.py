@@ -158,6 +158,10 @@ def test_a_qwen3_next_style_head_is_written_in_the_mtp_layout_and_read_back_from
     back, _ = fmt.read(out, files, config.num_hidden_layers)
     assert back.config.style == "qwen3_next"
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items())
+    second = {**tensors, "mtp.layers.1.input_layernorm.weight": tensors["mtp.norm.weight"].clone()}
+    save_file(second, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"MTP layers past the first, which are not read here: mtp\.layers\.1\."):
+        fmt.read(out, files, config.num_hidden_layers)
     recipe = make_recipe(
         tmp_path / "recipe",
         [{"name": "s", "path": SHAREGPT}],

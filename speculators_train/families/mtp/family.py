@@ -15,6 +15,7 @@ from speculators_train.families.mtp.objective import MTPObjective
 from speculators_train.families.mtp.proposer import MTPProposer
 from speculators_train.families.mtp.settings import Settings
 from speculators_train.head import HEAD_NORM_PREFIX, TargetHead
+from speculators_train.loading import reading
 from speculators_train.target import StateSpec, Target
 
 
@@ -52,7 +53,9 @@ class MTPFamily(Family):
             draft.embed_tokens.weight.copy_(start.head["embed"])
             draft.lm_head.weight.copy_(start.head["lm_head"])
         if own:
-            draft.load_state_dict(from_files(own, text, text.num_hidden_layers), strict=False)
+            with reading(start.target_dir, "the target's MTP layer"):
+                mine = from_files(own, text, text.num_hidden_layers)
+            draft.load_state_dict(mine, strict=False)
         return draft
 
     def states(self, config: MTPConfig) -> StateSpec:

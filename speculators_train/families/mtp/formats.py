@@ -64,16 +64,16 @@ def from_files(weights: dict[str, torch.Tensor], text: Any, n: int) -> dict[str,
     style = "qwen3_next" if any(name.startswith(QWEN_PREFIX) for name in weights) else "deepseek"
     extras, block_prefix = layout(style, n)
     out = {ours: weights[theirs] for ours, theirs in SHARED.items() if theirs in weights}
-    layer = {name: t for name, t in weights.items() if name.startswith(block_prefix) or name.startswith(QWEN_PREFIX)}
+    layer_prefix = QWEN_PREFIX if style == "qwen3_next" else block_prefix  # the block's and its extras' tensors
+    layer = {name: t for name, t in weights.items() if name.startswith(layer_prefix)}
     for ours, theirs in extras.items():
         for name in [name for name in layer if name.startswith(theirs)]:
             out[ours + name[len(theirs) :]] = layer.pop(name)
+    layer = {name: t for name, t in layer.items() if not name.startswith(block_prefix + "shared_head.head")}
+    if others := sorted(name for name in layer if not name.startswith(block_prefix)):
+        raise ValueError(f"tensors of MTP layers past the first, which are not read here: {', '.join(others[:3])}")
     in_target = f"model.layers.{n}."  # where `block_from_checkpoint` reads them
-    block = {
-        in_target + name[len(block_prefix) :]: t
-        for name, t in layer.items()
-        if not name.startswith(block_prefix + "shared_head.head")
-    }
+    block = {in_target + name[len(block_prefix) :]: t for name, t in layer.items()}
     if block:
         out.update({"block." + name: t for name, t in block_from_checkpoint(block, text, block_prefix).items()})
     return out
@@ -93,7 +93,8 @@ class MTPFormat(ExportFormat):
             layer = {k: v for k, v in config.items() if k not in ("speculators_train", "num_nextn_predict_layers")}
             cfg = checked_mtp_config({"layer_config": layer, "target_num_layers": target_num_layers, **ours})
         weights, source = read_weights(path)
-        mine = from_files(weights, cfg.text, cfg.target_num_layers)
+        with reading(source, "MTP weights"):
+            mine = from_files(weights, cfg.text, cfg.target_num_layers)
         return load_checked(lambda: MTPDraft(cfg), mine, source, config_file), "embed_tokens.weight" in mine
 
     def write(
