@@ -12,7 +12,7 @@ from speculators_train.doctor.k import check_k
 from speculators_train.doctor.report import Check, write
 from speculators_train.doctor.serve import check_export, check_vllm
 from speculators_train.errors import UserError
-from speculators_train.export.run import latest_verify_report
+from speculators_train.export.run import latest_verify_report, written_verifier
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft
 from speculators_train.head import load_head_weights
@@ -42,28 +42,26 @@ def served_dtype(config: dict, default: str) -> str:
     return str(config.get("dtype") or config.get("torch_dtype") or default)
 
 
-def serve_checks(recipe: Recipe, loaded: LoadedDraft, export: Path, engine: str) -> list[Check]:
-    """The export at `export` against the checkpoint `loaded`, and as `engine` reads it."""
+def serve_checks(recipe: Recipe, loaded: LoadedDraft, export: Path, on_disk: dict | None, engine: str) -> list[Check]:
+    """The export at `export` (its config.json: `on_disk`, None where there is none) against the checkpoint
+    `loaded`, and as `engine` reads it. The target's embedding and config are read as `export` reads them, so the
+    draft is written from the same tensors."""
     target_config, head = load_head_weights(recipe.target)
     loaded.family.attach_target(loaded.draft, head["embed"], loaded.has_embedding)
-    if not (export / "config.json").is_file():
+    if on_disk is None:
         return [Check("export", "skip", f"no export at {export}", "run `speculators-train export <recipe>`")]
-    on_disk = read_json_object(export / "config.json", "export config")
     fmt = next((f for f in loaded.family.formats.values() if f.detect(on_disk)), None)
     if fmt is None:
         raise UserError(f"{export}: not an export of a {loaded.family.name} draft")
     if fmt.draft_file:
         return [Check(f"{fmt.name} export", "skip", "a GGUF export: its metadata is not compared yet")]
-    _, hub_id = resolve_origin(recipe.target)
-    verifier = recipe.export.verifier or hub_id or recipe.target.name_or_path
-    architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
+    verifier, architectures = written_verifier(recipe, target_config, resolve_origin(recipe.target)[1])
     k = loaded.family.draft_tokens(loaded.draft, recipe.eval.num_speculative_tokens)
-    dtype = served_dtype(on_disk, recipe.export.dtype)
-    fresh = fmt.write(loaded.draft, dtype, verifier, architectures, k)
-    checks = check_export(loaded, fmt, export, fresh)
+    fresh = fmt.write(loaded.draft, served_dtype(on_disk, recipe.export.dtype), verifier, architectures, k)
+    checks = check_export(loaded, fmt, export, on_disk, fresh)
     if engine == "vllm":
         try:
-            checks.append(check_vllm(export, fresh[0]))
+            checks.append(check_vllm(on_disk, fresh[0]))
         except ImportError:
             checks.append(Check("vLLM reads the export as trained", "skip", "vLLM is not installed here"))
     return checks
@@ -74,16 +72,15 @@ def doctor(
 ) -> tuple[Path, list[Check]]:
     """Every check, written to `out_dir` (default <run dir>/doctor/<timestamp>)."""
     export = export or export_dir(recipe.run_dir) / recipe.export.format
+    on_disk = read_json_object(export / "config.json", "export config") if (export / "config.json").is_file() else None
     target = load_target(recipe.target)
     loaded = load_draft(checkpoint or checkpoints_dir(recipe.run_dir), target.num_layers)
     check_fits(loaded, target.hidden_size, target.vocab_size, target.num_layers)
+    checks = serve_checks(recipe, loaded, export, on_disk, engine)
     identity = target.identity()
     greedy, where = greedy_replies(recipe, target)
     del target
-    checks = serve_checks(recipe, loaded, export, engine)
-    serve_dtype = recipe.export.dtype
-    if (export / "config.json").is_file():
-        serve_dtype = served_dtype(read_json_object(export / "config.json", "export config"), serve_dtype)
+    serve_dtype = served_dtype(on_disk or {}, recipe.export.dtype)
     checks += check_data(recipe.hidden_states_dir, identity, serve_dtype)
     report = latest_verify_report(recipe, loaded.path)
     records = [r for r in (report[1] if report else []) if r.get("engine", "native") == "native"]

@@ -13,7 +13,6 @@ import torch
 from speculators_train.doctor.report import Check
 from speculators_train.families.base import ExportFormat, LoadedDraft
 from speculators_train.families.format_common import read_weights
-from speculators_train.loading import read_json_object
 
 # Written for people and tools, not read by an engine as a setting of the draft
 BOOKKEEPING = ("transformers_version", "speculators_version", "speculators_train_version")
@@ -62,11 +61,15 @@ def vllm_reading(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def check_export(
-    loaded: LoadedDraft, fmt: ExportFormat, export: Path, fresh: tuple[dict[str, Any], dict[str, torch.Tensor]]
+    loaded: LoadedDraft,
+    fmt: ExportFormat,
+    export: Path,
+    on_disk: dict[str, Any],
+    fresh: tuple[dict[str, Any], dict[str, torch.Tensor]],
 ) -> list[Check]:
-    """The export at `export` against `fresh` (what the checkpoint `loaded` writes in `fmt`)."""
+    """The export at `export` (its config.json: `on_disk`) against `fresh` (what the checkpoint `loaded` writes in
+    `fmt`)."""
     config, tensors = fresh
-    on_disk = read_json_object(export / "config.json", "export config")
     weights, _ = read_weights(export)
     checks = []
     diffs = config_diffs(config, on_disk)
@@ -96,11 +99,10 @@ def check_export(
     return checks
 
 
-def check_vllm(export: Path, fresh_config: dict[str, Any]) -> Check:
+def check_vllm(on_disk: dict[str, Any], fresh_config: dict[str, Any]) -> Check:
     """vLLM's reader on the export and on what the checkpoint writes: a field it reads differently from training
     (edited or dropped from the file, where vLLM then falls back to its default) is named with both values, and
     a field of the trained config its reader does not carry over at all is a warning."""
-    on_disk = read_json_object(export / "config.json", "export config")
     try:
         theirs, ours = vllm_reading(on_disk), vllm_reading(fresh_config)
     except (KeyError, ValueError, TypeError) as exc:

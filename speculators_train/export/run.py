@@ -215,6 +215,12 @@ def export(
         return _export(recipe, out, fmt, dtype, source, hub_id, checkpoint_dir)
 
 
+def written_verifier(recipe: Recipe, target_config: Any, hub_id: str | None) -> tuple[str, list[str]]:
+    """(the verifier's name, its architectures) as an export writes them."""
+    verifier = recipe.export.verifier or hub_id or recipe.target.name_or_path
+    return verifier, list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
+
+
 def _target_gguf(recipe: Recipe, source: str) -> tuple[str, list[str]]:
     """The target as an engine that loads a draft file beside it names it (its GGUF file, not a hub id), and a note
     on making that file where the target is not one."""
@@ -242,7 +248,7 @@ def _export(
     if problems := export_format.unsupported(draft):
         raise UserError(f"{loaded.path}: cannot export in the {fmt} format: {'; '.join(problems)}")
 
-    verifier = recipe.export.verifier or hub_id or recipe.target.name_or_path
+    verifier, architectures = written_verifier(recipe, target_config, hub_id)
     served, notes = (verifier, []) if not export_format.draft_file else _target_gguf(recipe, source)
     if hub_id is None and not recipe.export.verifier:
         notes.append(
@@ -254,7 +260,6 @@ def _export(
     nextn = export_format.vllm_mtp_classes(draft)
     commands, more = served_commands(recipe.target, target_config, family.settings, lines, nextn)
     notes += more
-    architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
     config, weights = export_format.write(draft, dtype, verifier, architectures, k)
     refuse_non_finite(weights, f"{loaded.path} in {dtype}")  # float16 overflows past 65504
 

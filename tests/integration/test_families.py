@@ -2,6 +2,7 @@
 records: a fresh draft saves and loads as itself, its objective trains on real states, its proposer decodes the
 target's own greedy output in the verify loop, and each export format it writes reads back to the same draft."""
 
+import json
 import re
 
 import pytest
@@ -178,7 +179,8 @@ def test_every_export_format_reads_back_to_the_same_draft(tmp_path, target, fres
         for key, tensor in draft_state_dict(draft).items():
             assert torch.equal(theirs[key], tensor), f"{name}: {key}"
         # `doctor` finds the export as trained, in vLLM's reading too
-        checks = serve_checks(recipe, load_draft(checkpoint, target.num_layers), out, "vllm")
+        on_disk = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else None
+        checks = serve_checks(recipe, load_draft(checkpoint, target.num_layers), out, on_disk, "vllm")
         assert [c for c in checks if c.status == "fail"] == [], name
 
 
