@@ -163,6 +163,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         Path(args.out) if args.out else None,
         args.dtype,
         args.force,
+        args.force_k,
     )
     console.print(f"exported {done.format} draft for {done.verifier} to {done.path}")
     for note in done.notes:
@@ -178,7 +179,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     """Exit 1 when a check fails (a draft the engine would run otherwise than trained, data the server renders
     otherwise), after printing every check with its fix."""
     from speculators_train.doctor.report import failed
-    from speculators_train.doctor.run import doctor
+    from speculators_train.doctor.run import DoctorOptions, doctor
 
     recipe = _recipe(args, target=False)
     engine = args.serve_engine or {"sglang": "sglang", "gguf": "llama.cpp"}.get(recipe.export.format, "vllm")
@@ -188,6 +189,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         Path(args.checkpoint) if args.checkpoint else None,
         engine,
         Path(args.out) if args.out else None,
+        DoctorOptions(args.batch, args.sweep, Path(args.prompts) if args.prompts else None),
     )
     colours = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
     out = Console(markup=False, soft_wrap=True)  # whole lines: a field's values are never cut at the width
@@ -293,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", help="output dir; default <run dir>/export/<format>")
             p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: export.dtype")
             p.add_argument("--force", action="store_true", help="replace an existing output dir")
+            p.add_argument(
+                "--force-k", action="store_true",
+                help="serve eval.num_speculative_tokens even where a verify run measured a smaller K faster",
+            )  # fmt: skip
         if name == "doctor":
             p.add_argument("--draft", help="the export to check; default <run dir>/export/<export.format>")
             p.add_argument("--checkpoint", help="the trained checkpoint it came from; default: the recipe's best")
@@ -301,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
                 help="the engine that serves it; default: the one export.format is for",
             )  # fmt: skip
             p.add_argument("--out", help="report dir; default <run dir>/doctor/<timestamp>")
+            p.add_argument("--batch", type=int, default=1, help="also the best K at this many concurrent requests")
+            p.add_argument("--sweep", action="store_true", help="measure K = 1..K with the loop and compare")
+            p.add_argument("--prompts", help="real requests (OpenAI chat bodies, JSONL) to check and decode")
         if name == "osd":
             p.add_argument("--logs", help="directory of JSONL logs; default: osd.logs")
             p.add_argument("--watch", action="store_true", help="keep polling for new files and lines")

@@ -114,6 +114,11 @@ class EvalConfig(Section):
         "--spec-draft-p-min (the draft's own probability, or its confidence head where it has one); this loop: "
         "drafts with a confidence head.",
     )
+    baselines: list[Literal["ngram"]] = Field(
+        default_factory=lambda: ["ngram"],
+        description="native: draftless methods decoded beside the draft on the same prompts at T = 0 (ngram: "
+        "prompt lookup, as vLLM's `ngram`), each its own record: whether training paid for these prompts.",
+    )
     num_prompts: int | None = Field(None, gt=0, description="Override every suite's prompt count.")
     max_new_tokens: int | None = Field(None, gt=0, description="Override every suite's generation length.")
     engine: Literal["native", "llama.cpp", "vllm"] = Field(

@@ -56,3 +56,21 @@ def check_exposure(record: dict[str, Any] | None, held_out: dict[str, Any]) -> C
         )
         return Check(name, "warn", detail, fix)
     return Check(name, "pass", detail)
+
+
+def check_baseline(records: list[dict[str, Any]], record: dict[str, Any] | None) -> Check:
+    """The draft's loop `record` against the draftless n-gram lookup decoded beside it in the same verify run: a
+    draft no faster than prompt lookup on these prompts did not pay for its training here."""
+    name = "draft against the free n-gram baseline"
+    free = next((r for r in records if record and str(r.get("shape", "")).startswith("ngram")
+                 and r.get("suite") == record.get("suite") and r.get("temperature") == 0), None)  # fmt: skip
+    if record is None or free is None:
+        fix = "run `speculators-train verify <recipe>` with eval.baselines: [ngram] (the default)"
+        return Check(name, "skip", "no verify run of this checkpoint with an n-gram record", fix)
+    detail = f"on {record['suite']}: the draft AL {record['acceptance_length']:.2f}, {record['speedup']:.2f}x; "
+    detail += f"n-gram lookup AL {free['acceptance_length']:.2f}, {free['speedup']:.2f}x"
+    if free["speedup"] >= record["speedup"]:
+        fix = "prompt lookup is as fast on these prompts: train on more data like them, or serve vLLM's `ngram` "
+        fix += "method (llama.cpp: --spec-type ngram-*) instead of this draft"
+        return Check(name, "warn", detail, fix)
+    return Check(name, "pass", detail)

@@ -8,7 +8,9 @@ from typing import Any
 
 from speculators_train.doctor.report import Check
 from speculators_train.errors import UserError
-from speculators_train.hidden_states.shards import read_manifest
+from speculators_train.families.base import LoadedDraft
+from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
+from speculators_train.hidden_states.shards import TOKEN_FREQ, read_manifest, read_token_freq
 
 # identity key -> (what it is, the fix when the target's differs)
 RENDERING = {
@@ -53,3 +55,27 @@ def check_data(states_dir: Path, now: dict[str, Any], serve_dtype: str) -> list[
         )
     )
     return checks
+
+
+def check_vocab_map(states_dir: Path, loaded: LoadedDraft) -> Check:
+    """The draft's vocabulary (d2t) against the one the training states' token counts give (`build_vocab_mapping`
+    over token_freq.safetensors): a map built from other data caps acceptance on these prompts' tokens."""
+    name = "draft vocabulary from the training data's token counts"
+    d2t = getattr(loaded.draft, "d2t", None)
+    if d2t is None:
+        return Check(name, "pass", "the draft proposes every target id")
+    try:
+        freq = read_token_freq(states_dir, read_manifest(states_dir))
+    except UserError as exc:
+        return Check(name, "skip", str(exc))
+    ours = set(draft_to_target(d2t.cpu()).tolist())
+    counted, _ = build_vocab_mapping(freq, min(d2t.numel(), freq.numel()))
+    theirs = {t for t in draft_to_target(counted).tolist() if freq[t] > 0}  # unseen ids only pad the map
+    missing = len(theirs - ours)
+    detail = f"{missing} of the {len(theirs)} most frequent training tokens are outside the draft's {d2t.numel()}-id "
+    detail += f"vocabulary ({states_dir / TOKEN_FREQ})"
+    if missing:
+        fix = "the vocabulary came from other data (another run, an imported draft): train from these states, or "
+        fix += "check that the draft was meant for this data"
+        return Check(name, "warn", detail, fix)
+    return Check(name, "pass", detail)

@@ -1,42 +1,81 @@
-"""The K to serve at, from a verify run's measured per-position acceptance and costs.
-
-With r_i the measured rate of steps accepting at least i + 1 drafts (at the run's K), drafting k <= K gives
-AL(k) = 1 + sum_{i<k} r_i tokens per step. A step costs a verify pass of k + 1 tokens and k drafted tokens:
-the run measured the pass at K + 1 (spec verify seconds per step) and at 1 (target-only seconds per token), and
-passes between are taken on the line through those two; drafting costs its measured seconds per drafted token.
-Expected speedup(k) = AL(k) * t_1 / (t_verify(k + 1) + k * t_draft). Past the run's K nothing was measured."""
+"""The K to serve at: the expected speedup per K from a verify run's measured acceptance and costs
+(`export.k`), at batch 1 and at a batch the user names, against the K the export serves."""
 
 from __future__ import annotations
 
+import copy
+import time
 from typing import Any
 
+import torch
+
 from speculators_train.doctor.report import Check
+from speculators_train.export.k import PAYS, StepCosts, best_k, expected_speedups, measured, step_costs
+from speculators_train.target import Target
 
 
-def expected_speedups(record: dict[str, Any]) -> dict[int, float]:
-    k, steps, rates = record["num_speculative_tokens"], record["steps"], record["per_position_acceptance"]
-    seconds = record["seconds"]
-    one = 1 / record["target_only_tokens_per_s"]  # a one-token pass, as target-only decoding runs it
-    verify = seconds["spec_verify"] / steps
-    draft = seconds["spec_draft"] / (steps * k)
-    other = (seconds["spec_prefill"] + seconds["spec_bookkeeping"]) / steps
-    out = {}
-    for j in range(1, k + 1):
-        cost = one + (verify - one) * j / k + j * draft + other
-        out[j] = (1 + sum(rates[:j])) * one / cost
-    return out
+@torch.inference_mode()
+def timed_pass(target: Target, batch: int, width: int, context: list[int], repeats: int = 3) -> float:
+    """Seconds of the target's forward pass over `width` new tokens in each of `batch` rows, after a cache of
+    `context` (the fastest of `repeats`, each on a fresh copy of the cache)."""
+    ids = torch.tensor([context] * batch, device=target.model.device)
+    cache = target.model(input_ids=ids, use_cache=True).past_key_values
+    new = ids[:, -width:]
+    best = float("inf")
+    for _ in range(repeats):
+        fresh = copy.deepcopy(cache)
+        start = time.perf_counter()
+        target.model(input_ids=new, past_key_values=fresh, use_cache=True)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
-def check_k(record: dict[str, Any] | None, where: str) -> Check:
-    if record is None or not record.get("steps") or "spec_verify" not in record.get("seconds", {}):
-        return Check("K", "skip", f"no verify run of this checkpoint with the loop's timings ({where})",
-                     "run `speculators-train verify <recipe>` first")  # fmt: skip
+def batch_costs(target: Target, record: dict[str, Any], batch: int, context: list[int]) -> StepCosts:
+    """The record's step costs at `batch` rows. The target's one-token and K + 1-token passes are timed here at
+    batch 1 and at `batch`, and each measured cost is scaled by its pass's ratio; drafting and the rest scale as the
+    one-token pass does (a chain draft runs one token per row, as that pass does)."""
     k = record["num_speculative_tokens"]
-    speedups = expected_speedups(record)
-    best = max(speedups, key=speedups.__getitem__)
-    table = ", ".join(f"K={j}: {s:.2f}x" for j, s in speedups.items())
-    detail = f"expected speedup from {record['suite']} at T={record['temperature']:g}: {table}"
-    if best < k and speedups[best] > speedups[k] * 1.02:
-        fix = f"serve at K={best} (eval.num_speculative_tokens): K={k} drafts past where acceptance pays"
-        return Check("K", "warn", detail, fix)
-    return Check("K", "pass", f"{detail}; K={k} is the best measured")
+    base = step_costs(record)
+    one = timed_pass(target, batch, 1, context) / timed_pass(target, 1, 1, context)
+    wide = timed_pass(target, batch, k + 1, context) / timed_pass(target, 1, k + 1, context)
+    return StepCosts(base.one * one, base.verify * wide, base.draft * one, base.other * one)
+
+
+def _table(speedups: dict[int, float]) -> str:
+    return ", ".join(f"K={j}: {s:.2f}x" for j, s in speedups.items())
+
+
+def check_k(
+    record: dict[str, Any] | None, where: str, served: int | None, batch: tuple[int, StepCosts] | None = None
+) -> Check:
+    """The K the record's measurements recommend, against `served` (the export's K; None: the run's K)."""
+    name = "K" if batch is None else f"K at batch {batch[0]}"
+    if not measured(record):
+        return Check(name, "skip", f"no verify run of this checkpoint with the loop's timings ({where})",
+                     "run `speculators-train verify <recipe>` first")  # fmt: skip
+    assert record is not None
+    speedups = expected_speedups(record, batch[1] if batch else None)
+    best = best_k(speedups)
+    k = served if served in speedups else record["num_speculative_tokens"]
+    what = "the export serves" if served in speedups else "the run drafted"
+    detail = f"expected speedup from {record['suite']} at T={record['temperature']:g}: {_table(speedups)}; "
+    detail += f"best K={best}, {what} K={k}"
+    if best < k and speedups[best] > speedups[k] * PAYS:
+        fix = f"serve at K={best}: re-export (`export` writes the measured best unless --force-k) or set "
+        fix += f"num_speculative_tokens={best}; K={k} drafts past where acceptance pays"
+        return Check(name, "warn", detail, fix)
+    return Check(name, "pass", detail)
+
+
+def check_sweep(records: list[dict[str, Any]]) -> Check:
+    """The K the largest-K record predicts against the loop measured at every K on the same prompts (a
+    brute-force sweep): within one step, or as fast as the measured best within the sweep's noise (3%)."""
+    measured_speedups = {r["num_speculative_tokens"]: r["speedup"] for r in records}
+    predicted = best_k(expected_speedups(records[-1]))
+    fastest = max(measured_speedups, key=measured_speedups.__getitem__)
+    detail = f"measured: {_table(measured_speedups)}; best K={fastest}, predicted K={predicted}"
+    close = measured_speedups[predicted] >= 0.97 * measured_speedups[fastest]
+    if abs(predicted - fastest) <= 1 or close:
+        return Check("K against a sweep", "pass", detail)
+    fix = "the costs moved between runs (a busy machine?): rerun the sweep on a quiet machine"
+    return Check("K against a sweep", "warn", detail, fix)

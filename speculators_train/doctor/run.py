@@ -4,17 +4,26 @@ the training data against the target as served, and the K a verify run's measure
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from speculators_train.doctor.acceptance import check_exposure, check_vocabulary
-from speculators_train.doctor.data import check_data
-from speculators_train.doctor.k import check_k
+from speculators_train.architectures import text_config
+from speculators_train.data.chat import Chat
+from speculators_train.data.splits import load_splits
+from speculators_train.doctor.acceptance import check_baseline, check_exposure, check_vocabulary
+from speculators_train.doctor.data import check_data, check_vocab_map
+from speculators_train.doctor.gguf import check_gguf
+from speculators_train.doctor.k import batch_costs, check_k, check_sweep
 from speculators_train.doctor.report import Check, write
-from speculators_train.doctor.serve import check_export, check_vllm
+from speculators_train.doctor.requests import check_rendering, check_system_prompt, read_requests
+from speculators_train.doctor.serve import check_export, check_sglang, check_vllm
+from speculators_train.doctor.sweep import sweep_k
 from speculators_train.errors import UserError
+from speculators_train.export.k import loop_record, measured
 from speculators_train.export.run import latest_verify_report, written_verifier
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft
+from speculators_train.families.format_common import proposal_k
 from speculators_train.head import load_head_weights
 from speculators_train.layout import checkpoints_dir, doctor_dir, export_dir, held_out_metrics, verify_dir
 from speculators_train.loading import read_json_object
@@ -24,17 +33,44 @@ from speculators_train.recipe import Recipe
 from speculators_train.target import Target, load_target
 from speculators_train.verify.decoder import decode_plain
 from speculators_train.verify.run import eos_ids
-from speculators_train.verify.suites import load_suite
+from speculators_train.verify.suites import Suite, load_suite
 
 
-def greedy_replies(recipe: Recipe, target: Target) -> tuple[list[list[int]], str]:
-    """The target's greedy replies to the first eval suite's prompts (eval.num_prompts, eval.max_new_tokens)."""
+@dataclass(frozen=True)
+class DoctorOptions:
+    """`batch`: also the best K at this many concurrent requests; `sweep`: measure the loop at K = 1..K;
+    `prompts`: a file of real requests, checked against the training data and decoded for the acceptance checks."""
+
+    batch: int = 1
+    sweep: bool = False
+    prompts: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch < 1:
+            raise UserError(f"--batch {self.batch}: expected a positive number of concurrent requests")
+
+
+def first_suite(recipe: Recipe, target: Target) -> Suite:
     ev = recipe.eval
-    suite = load_suite(recipe.resolve_path(ev.suites[0], "eval.suites"), recipe, target, ev.num_prompts)
-    max_new = ev.max_new_tokens or suite.config.max_new_tokens
+    return load_suite(recipe.resolve_path(ev.suites[0], "eval.suites"), recipe, target, ev.num_prompts)
+
+
+def greedy_replies(target: Target, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """The target's greedy replies to `prompts` (the acceptance checks read them)."""
     eos = eos_ids(target)
-    replies = [decode_plain(target, p.ids, max_new, eos, Sampling(), None).tokens for p in suite.prompts]
-    return replies, f"{len(replies)} prompts of {suite.config.name}"
+    return [decode_plain(target, ids, max_new, eos, Sampling(), None).tokens for ids in prompts]
+
+
+def request_checks(recipe: Recipe, target: Target, path: Path) -> tuple[list[Check], list[list[int]], str]:
+    """(checks, the first eval.num_prompts requests' prompt ids, where they are from) for `--prompts FILE`."""
+    requests, report = read_requests(path)
+    detail = "; ".join([f"{len(requests)} requests read from {path}", *report.lines()])
+    checks = [Check("requests", "warn" if report.total else "pass", detail)]
+    checks.append(check_system_prompt(requests, load_splits(recipe).train))
+    checks.append(check_rendering(requests, target.tokenizer, recipe.data.chat_template_kwargs))
+    chosen = requests[: recipe.eval.num_prompts]
+    prompts = [Chat.of(target, r.kwargs).prompt_ids(r.messages) for r in chosen]
+    return checks, prompts, f"{len(chosen)} requests of {path.name}"
 
 
 def served_dtype(config: dict, default: str) -> str:
@@ -53,12 +89,15 @@ def serve_checks(recipe: Recipe, loaded: LoadedDraft, export: Path, on_disk: dic
     fmt = next((f for f in loaded.family.formats.values() if f.detect(on_disk)), None)
     if fmt is None:
         raise UserError(f"{export}: not an export of a {loaded.family.name} draft")
-    if fmt.draft_file:
-        return [Check(f"{fmt.name} export", "skip", "a GGUF export: its metadata is not compared yet")]
     verifier, architectures = written_verifier(recipe, target_config, resolve_origin(recipe.target)[1])
-    k = loaded.family.draft_tokens(loaded.draft, recipe.eval.num_speculative_tokens)
+    # the K is a serving choice (`export` may write the measured best): the fresh write takes the export's own
+    k = proposal_k(on_disk) or loaded.family.draft_tokens(loaded.draft, recipe.eval.num_speculative_tokens)
     fresh = fmt.write(loaded.draft, served_dtype(on_disk, recipe.export.dtype), verifier, architectures, k)
     checks = check_export(loaded, fmt, export, on_disk, fresh)
+    if engine == "sglang":
+        checks.append(check_sglang(fmt, loaded, on_disk, text_config(target_config).num_hidden_layers))
+    if engine == "llama.cpp":
+        checks.append(check_gguf(recipe, loaded, export, served_dtype(on_disk, recipe.export.dtype)))
     if engine == "vllm":
         try:
             checks.append(check_vllm(on_disk, fresh[0]))
@@ -67,8 +106,33 @@ def serve_checks(recipe: Recipe, loaded: LoadedDraft, export: Path, on_disk: dic
     return checks
 
 
+def k_checks(
+    recipe: Recipe, target: Target, loaded: LoadedDraft, suite: Suite, served: int | None, options: DoctorOptions
+) -> tuple[list[Check], list[dict]]:
+    """(checks, the newest verify run's records): the K its loop record recommends, at batch 1 and at
+    `options.batch`, and against a sweep of the loop at every K when asked."""
+    report = latest_verify_report(recipe, loaded.path)
+    record = loop_record(report[1]) if report else None
+    where = str(verify_dir(recipe.run_dir))
+    checks = [check_k(record, where, served)]
+    if options.batch > 1 and measured(record):
+        assert record is not None
+        costs = batch_costs(target, record, options.batch, suite.prompts[0].ids)
+        checks.append(check_k(record, where, served, (options.batch, costs)))
+    if options.sweep:
+        max_new = recipe.eval.max_new_tokens or suite.config.max_new_tokens
+        k = loaded.family.draft_tokens(loaded.draft, recipe.eval.num_speculative_tokens)
+        checks.append(check_sweep(sweep_k(target, loaded.path, suite, k, max_new, recipe.seed)))
+    return checks, report[1] if report else []
+
+
 def doctor(
-    recipe: Recipe, export: Path | None, checkpoint: Path | None, engine: str, out_dir: Path | None
+    recipe: Recipe,
+    export: Path | None,
+    checkpoint: Path | None,
+    engine: str,
+    out_dir: Path | None,
+    options: DoctorOptions = DoctorOptions(),
 ) -> tuple[Path, list[Check]]:
     """Every check, written to `out_dir` (default <run dir>/doctor/<timestamp>)."""
     export = export or export_dir(recipe.run_dir) / recipe.export.format
@@ -78,16 +142,24 @@ def doctor(
     check_fits(loaded, target.hidden_size, target.vocab_size, target.num_layers)
     checks = serve_checks(recipe, loaded, export, on_disk, engine)
     identity = target.identity()
-    greedy, where = greedy_replies(recipe, target)
+    suite = first_suite(recipe, target)
+    max_new = recipe.eval.max_new_tokens or suite.config.max_new_tokens
+    prompts, where = [p.ids for p in suite.prompts], f"{len(suite.prompts)} prompts of {suite.config.name}"
+    if options.prompts is not None:
+        found, prompts, where = request_checks(recipe, target, options.prompts)
+        checks += found
+    greedy = greedy_replies(target, prompts, max_new)
+    served = proposal_k(on_disk or {})
+    k, records = k_checks(recipe, target, loaded, suite, served, options)
+    record = loop_record(records)
     del target
     serve_dtype = served_dtype(on_disk or {}, recipe.export.dtype)
     checks += check_data(recipe.hidden_states_dir, identity, serve_dtype)
-    report = latest_verify_report(recipe, loaded.path)
-    records = [r for r in (report[1] if report else []) if r.get("engine", "native") == "native"]
-    record = records[0] if records else None
+    checks.append(check_vocab_map(recipe.hidden_states_dir, loaded))
     checks.append(check_vocabulary(loaded, greedy, where))
     checks.append(check_exposure(record, held_out_metrics(loaded.path)))
-    checks.append(check_k(record, str(verify_dir(recipe.run_dir))))
+    checks.append(check_baseline(records, record))
+    checks += k
     out_dir = out_dir or doctor_dir(recipe.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     write(out_dir, checks, f"doctor: {recipe.source_path}, {engine}")
     return out_dir, checks

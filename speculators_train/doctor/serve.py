@@ -125,3 +125,15 @@ def check_vllm(on_disk: dict[str, Any], fresh_config: dict[str, Any]) -> Check:
         fix = "check that vLLM's draft model applies these another way, or train without them"
         return Check("vLLM reads the export as trained", "warn", detail, fix)
     return Check("vLLM reads the export as trained", "pass", f"{len(ours)} fields as trained")
+
+
+def check_sglang(fmt: ExportFormat, loaded: LoadedDraft, on_disk: dict[str, Any], target_num_layers: int) -> Check:
+    """The export as SGLang's loader reads it (its rules, applied here: SGLang does not run on this machine)."""
+    name = "SGLang reads the export as trained"
+    diffs = fmt.sglang_reading(loaded.draft, on_disk, target_num_layers)
+    if diffs is None:
+        return Check(name, "skip", f"SGLang does not load the {fmt.name} format of a {loaded.family.title}")
+    if diffs:
+        lines = [f"{field}: trained {a!r}, SGLang will use {b!r}" for field, a, b in diffs]
+        return Check(name, "fail", "; ".join(lines), f"export again from {loaded.path} (`--format sglang --force`)")
+    return Check(name, "pass", "aux layer ids after SGLang's +1, vocabulary, lm_head and norm flags as trained")

@@ -21,6 +21,7 @@ from speculators_train import __version__
 from speculators_train.architectures import text_config
 from speculators_train.engines.serving import served_commands
 from speculators_train.errors import UserError
+from speculators_train.export.k import served_k
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft, refuse_non_finite
 from speculators_train.families.format_common import DTYPES
@@ -197,6 +198,7 @@ def export(
     out: Path | None = None,
     dtype: str | None = None,
     force: bool = False,
+    force_k: bool = False,
 ) -> Exported:
     """Write the draft at `checkpoint` (default: the recipe's best) in its family's format `fmt` (default:
     export.format)."""
@@ -212,7 +214,7 @@ def export(
     check_out(out, reads, force)
     with exclusive(out, "export"):  # after the checks, so a refused --out gets no lock file beside it
         check_out(out, reads, force)  # again: another export may have finished meanwhile
-        return _export(recipe, out, fmt, dtype, source, hub_id, checkpoint_dir)
+        return _export(recipe, out, fmt, dtype, (source, hub_id), checkpoint_dir, force_k)
 
 
 def written_verifier(recipe: Recipe, target_config: Any, hub_id: str | None) -> tuple[str, list[str]]:
@@ -233,8 +235,9 @@ def _target_gguf(recipe: Recipe, source: str) -> tuple[str, list[str]]:
 
 
 def _export(
-    recipe: Recipe, out: Path, fmt: str, dtype: str, source: str, hub_id: str | None, checkpoint_dir: Path
+    recipe: Recipe, out: Path, fmt: str, dtype: str, origin: tuple[str, str | None], checkpoint_dir: Path, force_k: bool
 ) -> Exported:
+    source, hub_id = origin
     target_config, head = load_head_weights(recipe.target)
     text = text_config(target_config)
     num_layers = text.num_hidden_layers
@@ -255,7 +258,9 @@ def _export(
             f"verifier {verifier!r} is a local path: a serving machine must have it there too, and vLLM's "
             "one-argument `vllm serve <dir>` needs a hub id (set export.verifier)"
         )
-    k = family.draft_tokens(draft, recipe.eval.num_speculative_tokens)
+    asked = family.draft_tokens(draft, recipe.eval.num_speculative_tokens)
+    k, more = served_k(latest_verify_report(recipe, loaded.path), asked, force_k)
+    notes += more
     lines = export_format.commands(out, served, recipe.eval, k)
     nextn = export_format.vllm_mtp_classes(draft)
     commands, more = served_commands(recipe.target, target_config, family.settings, lines, nextn)

@@ -140,6 +140,14 @@ class ExportFormat(ABC):
         tokenizer are there; `target_dir` is the target as an HF directory), for engines that read another format."""
         return None
 
+    def sglang_reading(
+        self, draft: nn.Module, config: dict[str, Any], target_num_layers: int
+    ) -> list[tuple[str, Any, Any]] | None:
+        """(setting, trained, what SGLang will use) for each setting SGLang's loader takes from `config` (an
+        export's config.json) otherwise than `draft` was trained, by SGLang's own rules (it does not run here);
+        None where SGLang does not load this format."""
+        return None
+
     def vllm_mtp_classes(self, draft: nn.Module) -> tuple[str, ...] | None:
         """The vLLM MTP classes that read this export of `draft` (None: the family's `vllm_mtp_classes`)."""
         return None

@@ -90,6 +90,15 @@ def proposal_config(
     }
 
 
+def proposal_k(config: dict[str, Any]) -> int | None:
+    """The `speculative_tokens` of a config's `speculators_config` block (`proposal_config`), or None."""
+    block = config.get("speculators_config")
+    methods = block.get("proposal_methods") if isinstance(block, dict) else None
+    first = methods[0] if isinstance(methods, list) and methods else None
+    k = first.get("speculative_tokens") if isinstance(first, dict) else None
+    return k if isinstance(k, int) and not isinstance(k, bool) else None
+
+
 def shell_arg(value: str | Path) -> str:
     """A path or name as one shell word of a printed command: quoted, and a relative path that starts with `-`
     written `./-...`, which no command takes for an option."""

@@ -35,6 +35,7 @@ from speculators_train.verify.decoder import (
     refuse_recurrent,
     verify_width,
 )
+from speculators_train.verify.ngram import NgramProposer
 from speculators_train.verify.report import score, write_outputs
 from speculators_train.verify.suites import Suite, load_suite
 
@@ -190,28 +191,36 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
         records = run_llamacpp(recipe, suites, loaded, out_dir)
         write_outputs(out_dir, records)
         return out_dir, records
+    records = run_native(recipe, target, loaded, suites, draft_path)
+    write_outputs(out_dir, records)
+    return out_dir, records
+
+
+def run_native(
+    recipe: Recipe, target: Target, loaded: LoadedDraft, suites: list[Suite], draft_path: Path
+) -> list[dict[str, Any]]:
+    """Our loop: per suite and temperature, each prompt target-only, with the draft, and (at T = 0) with each
+    draftless baseline of `eval.baselines`, back to back."""
+    ev = recipe.eval
     shape, k, tree = shape_of(recipe, loaded)
-    total = 2 * sum(len(s.prompts) for s in suites) * len(ev.temperatures)
+    free = [f"{name}(K={k})" for name in ev.baselines]
+    total = sum(len(s.prompts) for s in suites) * (2 * len(ev.temperatures) + len(free) * (0 in ev.temperatures))
     records = []
-    packing = verify_packing(target, loaded.draft, [(k, tree)])
-    with packing, tqdm(total=total, unit="prompt", desc="verify") as bar:
+    with verify_packing(target, loaded.draft, [(k, tree)]), tqdm(total=total, unit="prompt", desc="verify") as bar:
         for suite in suites:
             max_new = ev.max_new_tokens or suite.config.max_new_tokens
             for temperature in ev.temperatures:
                 sampling = sampling_at(ev, temperature)
-                proposer = loaded.family.proposer(loaded.draft, target)
-                decoder = SpeculativeDecoder(target, proposer, sampling, k, tree)
+                decoder = SpeculativeDecoder(target, loaded.family.proposer(loaded.draft, target), sampling, k, tree)
                 warm_up(target, decoder, suite)
                 bar.set_postfix(suite=suite.config.name, T=temperature, run=shape)
-                baseline, (speculative,) = run_paired(
-                    target, suite, max_new, sampling, recipe.seed, bar, [reuse(decoder)]
-                )
-                record = score(suite.config.name, shape, k, temperature, ev.top_p, speculative, baseline)
-                record["draft"] = str(draft_path)
-                record["checkpoint"] = str(loaded.path)
-                record["max_new_tokens"] = max_new
-                record["draft_sampling"] = ev.draft_sampling
-                record["device"] = str(target.model.device)
-                records.append(record)
-    write_outputs(out_dir, records)
-    return out_dir, records
+                labels = [shape, *(free if temperature == 0 else [])]
+                decoders = [reuse(decoder)]
+                decoders += [reuse(SpeculativeDecoder(target, NgramProposer(), sampling, k)) for _ in labels[1:]]
+                baseline, runs = run_paired(target, suite, max_new, sampling, recipe.seed, bar, decoders)
+                for label, speculative in zip(labels, runs, strict=True):
+                    record = score(suite.config.name, label, k, temperature, ev.top_p, speculative, baseline)
+                    record.update(draft=str(draft_path), checkpoint=str(loaded.path), max_new_tokens=max_new,
+                                  draft_sampling=ev.draft_sampling, device=str(target.model.device))  # fmt: skip
+                    records.append(record)
+    return records

@@ -178,9 +178,10 @@ def test_every_export_format_reads_back_to_the_same_draft(tmp_path, target, fres
         theirs = draft_state_dict(loaded.draft)
         for key, tensor in draft_state_dict(draft).items():
             assert torch.equal(theirs[key], tensor), f"{name}: {key}"
-        # `doctor` finds the export as trained, in vLLM's reading too
+        # `doctor` finds the export as trained, as its engine reads it too (vLLM, SGLang's rules, llama.cpp's GGUF)
         on_disk = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else None
-        checks = serve_checks(recipe, load_draft(checkpoint, target.num_layers), out, on_disk, "vllm")
+        engine = "llama.cpp" if fmt.draft_file else "sglang" if name == "sglang" else "vllm"
+        checks = serve_checks(recipe, load_draft(checkpoint, target.num_layers), out, on_disk, engine)
         assert [c for c in checks if c.status == "fail"] == [], name
 
 

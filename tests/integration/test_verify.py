@@ -286,17 +286,20 @@ def test_verify_command_writes_json_markdown_plot_and_the_recipe(tmp_path, targe
         )
     )
     out_dir, records = verify(recipe, tmp_path / "ckpt", tmp_path / "out")
-    assert [(r["suite"], r["temperature"]) for r in records] == [
-        ("sharegpt-held-out", 0.0),
-        ("sharegpt-held-out", 1.0),
-        ("sharegpt-code", 0.0),
-        ("sharegpt-code", 1.0),
+    tree = "tree(top_k=4, depth=5, budget=24)"
+    # the draftless n-gram baseline (eval.baselines) is decoded beside the draft at T = 0, a chain of the tree's depth
+    assert [(r["suite"], r["temperature"], r["shape"]) for r in records] == [
+        ("sharegpt-held-out", 0.0, tree),
+        ("sharegpt-held-out", 0.0, "ngram(K=5)"),
+        ("sharegpt-held-out", 1.0, tree),
+        ("sharegpt-code", 0.0, tree),
+        ("sharegpt-code", 0.0, "ngram(K=5)"),
+        ("sharegpt-code", 1.0, tree),
     ]
     for record in records:
         rates = record["per_position_acceptance"]
-        assert record["acceptance_length"] == pytest.approx(1 + sum(rates))
-        assert record["shape"] == "tree(top_k=4, depth=5, budget=24)" and len(rates) == 5
-    assert records[0]["greedy_identical_outputs"] == "2/2"
+        assert record["acceptance_length"] == pytest.approx(1 + sum(rates)) and len(rates) == 5
+    assert records[0]["greedy_identical_outputs"] == "2/2" and records[1]["greedy_identical_outputs"] == "2/2"
     assert json.loads((out_dir / "results.json").read_text()) == records
     assert "| sharegpt-code |" in (out_dir / "results.md").read_text()
     assert (out_dir / "acceptance.png").stat().st_size > 10_000

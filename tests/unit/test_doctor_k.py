@@ -1,8 +1,12 @@
 """The K a verify run's measurements recommend (`doctor`): acceptance per position against the costs measured."""
 
+from pathlib import Path
+
 import pytest
 
-from speculators_train.doctor.k import check_k, expected_speedups
+from speculators_train.doctor.k import check_k, check_sweep
+from speculators_train.export.k import StepCosts, expected_speedups, served_k
+from speculators_train.families.format_common import proposal_config, proposal_k
 
 
 def record(rates, k=4, verify=0.05, draft=0.01, steps=100) -> dict:
@@ -15,6 +19,7 @@ def record(rates, k=4, verify=0.05, draft=0.01, steps=100) -> dict:
         "steps": steps,
         "per_position_acceptance": rates,
         "target_only_tokens_per_s": 25.0,
+        "shape": f"chain(K={k})",
         "seconds": {"spec_verify": verify * steps, "spec_draft": draft * k * steps, "spec_prefill": 0.0,
                     "spec_bookkeeping": 0.0},
     }  # fmt: skip
@@ -29,10 +34,53 @@ def test_expected_speedup_is_acceptance_length_over_the_measured_step_cost():
 
 
 def test_a_k_past_where_acceptance_pays_is_a_warning_naming_the_best():
-    check = check_k(record([0.8, 0.5, 0.1, 0.05]), "runs/x/verify")
-    assert check.status == "warn" and "serve at K=2" in check.fix
-    assert check_k(record([0.9, 0.9, 0.9, 0.9]), "runs/x/verify").status == "pass"
-    assert check_k(None, "runs/x/verify").status == "skip"
+    check = check_k(record([0.8, 0.5, 0.1, 0.05]), "runs/x/verify", None)
+    assert check.status == "warn" and "serve at K=2" in check.fix and "the run drafted K=4" in check.detail
+    assert check_k(record([0.9, 0.9, 0.9, 0.9]), "runs/x/verify", None).status == "pass"
+    assert check_k(None, "runs/x/verify", None).status == "skip"
+
+
+def test_the_check_judges_the_k_the_export_serves():
+    low = record([0.8, 0.5, 0.1, 0.05])
+    assert check_k(low, "v", 2).status == "pass"  # an export already at the measured best
+    check = check_k(low, "v", 3)
+    assert check.status == "warn" and "the export serves K=3" in check.detail
+
+
+def test_a_batch_makes_the_wide_pass_costlier_and_moves_the_best_k_down():
+    high = record([0.8, 0.6, 0.4, 0.3], draft=0.002)
+    assert "best K=4" in check_k(high, "v", None).detail
+    # at a batch where the 5-token pass costs 5 one-token passes (compute-bound), drafting more stops paying
+    batched = StepCosts(one=0.04, verify=0.2, draft=0.002, other=0.0)
+    check = check_k(high, "v", None, (16, batched))
+    assert check.name == "K at batch 16" and check.status == "warn" and "serve at K=1" in check.fix
+
+
+def test_export_writes_the_measured_best_k_unless_forced():
+    report = (Path("runs/x/verify/1/results.json"), [record([0.8, 0.5, 0.1, 0.05])])
+    k, notes = served_k(report, 4, force_k=False)
+    assert k == 2 and "K=2, not eval.num_speculative_tokens=4" in notes[0] and "runs/x/verify/1" in notes[0]
+    k, notes = served_k(report, 4, force_k=True)
+    assert k == 4 and notes[0].startswith("K=4 kept (--force-k)")
+    assert served_k(report, 3, force_k=False) == (3, [])  # measured at another K: nothing to say about K=3
+    assert served_k(None, 4, force_k=False) == (4, [])
+    sampled = (report[0], [{**report[1][0], "temperature": 1.0}])
+    assert served_k(sampled, 4, force_k=False) == (4, [])  # only a greedy loop record decides
+
+
+def test_the_served_k_is_read_back_from_the_speculators_config():
+    assert proposal_k({"speculators_config": proposal_config("eagle3", 3, "v", ["A"])}) == 3
+    assert proposal_k({"speculators_config": {"proposal_methods": []}}) is None
+    assert proposal_k({"draft_vocab_size": 3}) is None
+
+
+def test_a_sweep_agrees_within_one_step_or_within_its_noise():
+    measured = [(1, 1.30), (2, 1.42), (3, 1.40), (4, 1.36)]
+    sweep = [{**record([0.8, 0.5, 0.1, 0.05][:k], k=k), "speedup": s} for k, s in measured]
+    assert check_sweep(sweep).status == "pass"  # predicted K=2 (above), measured best K=2
+    far = [{**r, "speedup": s} for r, s in zip(sweep, [1.0, 1.1, 1.2, 1.5], strict=True)]
+    check = check_sweep(far)
+    assert check.status == "warn" and "best K=4, predicted K=2" in check.detail
 
 
 def test_a_loop_far_below_trainings_prediction_is_a_warning_with_its_causes():

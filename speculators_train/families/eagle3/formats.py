@@ -109,6 +109,25 @@ def sglang_config(config: Eagle3Config, dtype: str) -> dict[str, Any]:
     }
 
 
+def sglang_reading(trained: Eagle3Config, config: dict[str, Any], n: int) -> list[tuple[str, Any, Any]]:
+    """What SGLang's EAGLE-3 worker and LlamaForCausalLMEagle3 take from `config`, where it differs from `trained`:
+    the target captures `val + 1` for each id in `eagle_config` (`set_eagle3_layers_to_capture`), or
+    [2, n // 2, n - 3] without them; the flags it lacks run as false whatever the file says; a true
+    `tie_word_embeddings` makes the embedding its lm_head."""
+    eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    captured = [2, n // 2, n - 3] if ids is None else [i + 1 for i in ids] if isinstance(ids, list) else ids
+    read = {
+        "aux layer ids (after k target layers)": (list(trained.aux_layer_ids), captured),
+        "draft_vocab_size": (trained.draft_vocab_size, config.get("draft_vocab_size")),
+        "lm_head": ("separate", "the embedding" if config.get("tie_word_embeddings") else "separate"),
+        **{flag: (getattr(trained, flag), False) for flag in SGLANG_LACKS},
+    }
+    if ARCHITECTURE not in (config.get("architectures") or []):
+        read["architectures"] = ([ARCHITECTURE], config.get("architectures"))
+    return [(name, a, b) for name, (a, b) in read.items() if a != b]
+
+
 def weight_name(name: str) -> str:
     """Our (speculators-format) weight name -> SGLang's."""
     return "midlayer." + name[len("layers.0.") :] if name.startswith("layers.0.") else name
@@ -191,6 +210,11 @@ class SGLangFormat(ExportFormat):
 
     def unsupported(self, draft: Eagle3Draft) -> list[str]:
         return unsupported(draft.config)
+
+    def sglang_reading(
+        self, draft: Eagle3Draft, config: dict[str, Any], target_num_layers: int
+    ) -> list[tuple[str, Any, Any]]:
+        return sglang_reading(draft.config, config, target_num_layers)
 
     def commands(self, out: Path, verifier: str, ev: Any, k: int) -> list[str]:
         if ev.mode == "tree":

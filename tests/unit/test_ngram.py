@@ -1,0 +1,29 @@
+"""The free baseline's prompt lookup: what it proposes, from which occurrence."""
+
+from speculators_train.proposal import Sampling
+from speculators_train.verify.ngram import NgramProposer
+
+
+def proposer(history: list[int]) -> NgramProposer:
+    p = NgramProposer()
+    p.reset(history[0])
+    p.extend(history[1:], None)
+    return p
+
+
+def test_it_proposes_what_followed_the_most_recent_earlier_occurrence_of_the_tail():
+    p = proposer([7, 1, 2, 5, 1, 2, 6, 8, 1, 2])
+    assert p.propose_chain(3, Sampling(), None) == ([6, 8, 1], None)  # after the later "1 2", not the first
+    assert p.propose_chain(1, Sampling(), None) == ([6], None)
+
+
+def test_a_longer_match_wins_and_no_match_proposes_nothing():
+    # the 3-gram "1 2 3" occurs once, followed by 9; the 2-gram "2 3" occurs later, followed by 4
+    assert proposer([1, 2, 3, 9, 2, 3, 4, 1, 2, 3]).lookup(2) == [9, 2]
+    assert proposer([1, 2, 3, 4]).lookup(3) == []  # nothing recurs
+    assert proposer([5, 5]).lookup(3) == []  # shorter than the shortest n-gram and its continuation
+
+
+def test_a_tree_is_the_lookup_as_one_chain():
+    tree = proposer([1, 2, 3, 1, 2]).propose_tree(type("Spec", (), {"depth": 4})())
+    assert tree.tokens == [3, 1, 2] and tree.parents == [-1, 0, 1] and tree.depths == [1, 2, 3]
