@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from speculators_train.doctor.report import Check
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.objective import predicted_al_key
@@ -15,21 +13,25 @@ from speculators_train.families.vocab import draft_to_target
 CEILING_WARN = 0.05  # a share of greedy tokens outside the draft vocabulary worth a user's attention
 
 
+def draft_ids(loaded: LoadedDraft) -> set[int] | None:
+    """The target ids the draft can propose (None: every one, a draft without a vocabulary map)."""
+    d2t = getattr(loaded.draft, "d2t", None)
+    return None if d2t is None else set(draft_to_target(d2t.cpu()).tolist())
+
+
 def check_vocabulary(loaded: LoadedDraft, greedy: list[list[int]], where: str) -> Check:
     """The share of the target's greedy tokens (on `where`'s prompts) that the draft cannot propose: a position
     whose next token is outside its vocabulary is never accepted, whatever the training."""
-    d2t = getattr(loaded.draft, "d2t", None)
-    if d2t is None:
+    inside = draft_ids(loaded)
+    if inside is None:
         return Check("draft vocabulary covers the target's tokens", "pass", "the draft proposes every target id")
-    inside = torch.zeros(int(d2t.numel() + d2t.max().item() + 1), dtype=torch.bool)
-    inside[draft_to_target(d2t.cpu())] = True
     tokens = [t for reply in greedy for t in reply]
     if not tokens:
         return Check("draft vocabulary covers the target's tokens", "skip", f"no greedy tokens on {where}")
-    outside = sum(1 for t in tokens if t >= inside.numel() or not inside[t])
+    outside = sum(1 for t in tokens if t not in inside)
     share = outside / len(tokens)
     detail = f"{outside} of the target's {len(tokens)} greedy tokens on {where} ({share:.1%}) are outside the "
-    detail += f"draft's {d2t.numel()}-token vocabulary"
+    detail += f"draft's {len(inside)}-token vocabulary"
     if share > CEILING_WARN:
         fix = "build the vocabulary from data like these prompts (a larger draft_vocab_size, or this data in the mix)"
         return Check("draft vocabulary covers the target's tokens", "warn", detail, fix)
@@ -74,3 +76,26 @@ def check_baseline(records: list[dict[str, Any]], record: dict[str, Any] | None)
         fix += "method (llama.cpp: --spec-type ngram-*) instead of this draft"
         return Check(name, "warn", detail, fix)
     return Check(name, "pass", detail)
+
+
+def check_suites(records: list[dict[str, Any]]) -> Check:
+    """The draft's greedy loop records of the verify run suite by suite (both AL definitions, speedup): a suite
+    accepting under half the drafts per step of the best one is data the training mix lacks."""
+    name = "acceptance by suite"
+    ours = [r for r in records if r.get("engine", "native") == "native" and r.get("temperature") == 0
+            and str(r.get("shape", "")).startswith(("chain", "tree"))]  # fmt: skip
+    if not ours:
+        return Check(name, "skip", "no greedy loop record of this checkpoint", "run `speculators-train verify`")
+    cells = [
+        f"{r['suite']} AL {r['acceptance_length']:.2f} pooled, "
+        f"{r.get('acceptance_length_per_request_mean') or r['acceptance_length']:.2f} per-request mean, "
+        f"{r['speedup']:.2f}x"
+        for r in ours
+    ]
+    best = max(r["acceptance_length"] for r in ours)
+    low = [r["suite"] for r in ours if r["acceptance_length"] - 1 < 0.5 * (best - 1)]
+    if low:
+        fix = f"{', '.join(low)}: under half the accepted drafts per step of the best suite; add data like it to "
+        fix += "the mix"
+        return Check(name, "warn", "; ".join(cells), fix)
+    return Check(name, "pass", "; ".join(cells))

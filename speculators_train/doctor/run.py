@@ -10,7 +10,15 @@ from pathlib import Path
 from speculators_train.architectures import text_config
 from speculators_train.data.chat import Chat
 from speculators_train.data.splits import load_splits
-from speculators_train.doctor.acceptance import check_baseline, check_exposure, check_vocabulary
+from speculators_train.doctor.acceptance import (
+    check_baseline,
+    check_exposure,
+    check_suites,
+    check_vocabulary,
+    draft_ids,
+)
+from speculators_train.doctor.classes import acceptance_by_class, check_classes
+from speculators_train.doctor.curve import check_curve, curve_points
 from speculators_train.doctor.data import check_data, check_vocab_map
 from speculators_train.doctor.gguf import check_gguf
 from speculators_train.doctor.k import batch_costs, check_k, check_sweep
@@ -25,14 +33,22 @@ from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft
 from speculators_train.families.format_common import proposal_k
 from speculators_train.head import load_head_weights
-from speculators_train.layout import checkpoints_dir, doctor_dir, export_dir, held_out_metrics, verify_dir
+from speculators_train.layout import (
+    METRICS,
+    checkpoints_dir,
+    doctor_dir,
+    export_dir,
+    held_out_metrics,
+    train_dir,
+    verify_dir,
+)
 from speculators_train.loading import read_json_object
 from speculators_train.origin import resolve_origin
 from speculators_train.proposal import Sampling
 from speculators_train.recipe import Recipe
 from speculators_train.target import Target, load_target
-from speculators_train.verify.decoder import decode_plain
-from speculators_train.verify.run import eos_ids
+from speculators_train.verify.decoder import SpeculativeDecoder
+from speculators_train.verify.run import eos_ids, load_draft_for
 from speculators_train.verify.suites import Suite, load_suite
 
 
@@ -55,10 +71,20 @@ def first_suite(recipe: Recipe, target: Target) -> Suite:
     return load_suite(recipe.resolve_path(ev.suites[0], "eval.suites"), recipe, target, ev.num_prompts)
 
 
-def greedy_replies(target: Target, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    """The target's greedy replies to `prompts` (the acceptance checks read them)."""
+def loop_checks(
+    target: Target, loaded: LoadedDraft, prompts: list[list[int]], max_new: int, k: int, where: str
+) -> list[Check]:
+    """The loop's greedy decode of `prompts` with the draft at K = `k`: its tokens are the target's own greedy ones
+    (the loop's guarantee), which the vocabulary ceiling reads, and its steps give acceptance by token class."""
+    placed = load_draft_for(target, loaded.path)
+    decoder = SpeculativeDecoder(target, placed.family.proposer(placed.draft, target), Sampling(), k)
     eos = eos_ids(target)
-    return [decode_plain(target, ids, max_new, eos, Sampling(), None).tokens for ids in prompts]
+    generations = [decoder.generate(ids, max_new, eos, None) for ids in prompts]
+    inside = draft_ids(loaded)
+    counts = acceptance_by_class(
+        generations, lambda t: target.tokenizer.decode([t]), lambda t: inside is None or t in inside
+    )
+    return [check_vocabulary(loaded, [g.tokens for g in generations], where), check_classes(counts, where)]
 
 
 def request_checks(recipe: Recipe, target: Target, path: Path) -> tuple[list[Check], list[list[int]], str]:
@@ -148,18 +174,22 @@ def doctor(
     if options.prompts is not None:
         found, prompts, where = request_checks(recipe, target, options.prompts)
         checks += found
-    greedy = greedy_replies(target, prompts, max_new)
     served = proposal_k(on_disk or {})
-    k, records = k_checks(recipe, target, loaded, suite, served, options)
+    k = served or loaded.family.draft_tokens(loaded.draft, recipe.eval.num_speculative_tokens)
+    acceptance = loop_checks(target, loaded, prompts, max_new, k, where)
+    found, records = k_checks(recipe, target, loaded, suite, served, options)
     record = loop_record(records)
     del target
     serve_dtype = served_dtype(on_disk or {}, recipe.export.dtype)
     checks += check_data(recipe.hidden_states_dir, identity, serve_dtype)
     checks.append(check_vocab_map(recipe.hidden_states_dir, loaded))
-    checks.append(check_vocabulary(loaded, greedy, where))
+    checks += acceptance
     checks.append(check_exposure(record, held_out_metrics(loaded.path)))
+    checks.append(check_suites(records))
     checks.append(check_baseline(records, record))
-    checks += k
+    metrics, k_asked = train_dir(recipe.run_dir) / METRICS, recipe.eval.num_speculative_tokens
+    checks.append(check_curve(curve_points(metrics, k_asked), k_asked, metrics))
+    checks += found
     out_dir = out_dir or doctor_dir(recipe.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     write(out_dir, checks, f"doctor: {recipe.source_path}, {engine}")
     return out_dir, checks

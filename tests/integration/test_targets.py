@@ -165,7 +165,9 @@ def test_every_stage_runs_for_every_family(built, generated, tmp_path, capsys, n
             assert code == 2 and "recurrent state" in err and "--engine vllm" in err, err
             return
         assert code == 0, f"{name} {family}: {stage[0]}: {err}"
-    (record,) = json.loads((tmp_path / "verify" / "results.json").read_text())
+    # the draft's record, then the n-gram baseline decoded beside it (eval.baselines); both exact
+    record, free = json.loads((tmp_path / "verify" / "results.json").read_text())
+    assert free["shape"].startswith("ngram") and free["greedy_identical_outputs"] == "1/1", free
     assert record["greedy_identical_outputs"] == "1/1", record
 
 

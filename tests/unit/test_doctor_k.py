@@ -90,3 +90,16 @@ def test_a_loop_far_below_trainings_prediction_is_a_warning_with_its_causes():
     assert check_exposure(loop, {"predicted_al_4": 2.9}).status == "warn"  # 0.8 of 1.9 accepted predicted
     assert check_exposure(loop, {"predicted_al_4": 1.9}).status == "pass"
     assert check_exposure(loop, {"predicted_al_3": 1.9}).status == "skip"  # no prediction at the run's K
+
+
+def test_acceptance_by_suite_names_a_suite_far_below_the_best():
+    from speculators_train.doctor.acceptance import check_suites
+
+    def suite(name, al, shape="chain(K=4)"):
+        return {**record([0.5, 0.2, 0.1, 0.0]), "suite": name, "acceptance_length": al, "speedup": 1.0, "shape": shape}
+
+    check = check_suites([suite("chat", 1.8), suite("code", 1.3), suite("code", 2.5, "ngram(K=4)")])
+    assert check.status == "warn" and check.fix.startswith("code:")  # 0.3 accepted per step against 0.8
+    assert "chat AL 1.80 pooled, 1.80 per-request mean, 1.00x" in check.detail and "2.50" not in check.detail
+    assert check_suites([suite("chat", 1.8), suite("code", 1.5)]).status == "pass"
+    assert check_suites([]).status == "skip"
