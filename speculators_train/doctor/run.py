@@ -175,7 +175,7 @@ def doctor(
         found, prompts, where = request_checks(recipe, target, options.prompts)
         checks += found
     served = proposal_k(on_disk or {})
-    k = served or loaded.family.draft_tokens(loaded.draft, recipe.eval.num_speculative_tokens)
+    k = loaded.family.draft_tokens(loaded.draft, served or recipe.eval.num_speculative_tokens)
     acceptance = loop_checks(target, loaded, prompts, max_new, k, where)
     found, records = k_checks(recipe, target, loaded, suite, served, options)
     record = loop_record(records)
