@@ -70,8 +70,9 @@ class VllmConfig(Section):
         description="Besides one request at a time (latency), decode each suite's prompts all at once (a batch: "
         "where speculation is said to stop paying), as a second record.",
     )
-    baselines: list[Literal["ngram"]] = Field(
-        default_factory=lambda: ["ngram"], description="vLLM's draftless methods run on the same prompts."
+    baselines: list[Literal["ngram", "suffix"]] = Field(
+        default_factory=lambda: ["ngram"],
+        description="vLLM's draftless methods run on the same prompts (`suffix` needs the arctic-inference package).",
     )
     max_model_len: int = Field(2048, gt=0, description="Longest prompt + reply vLLM plans for.")
     kv_cache_gib: int = Field(1, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU (GiB); ignored on GPU.")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -162,6 +163,28 @@ def gguf_file(cfg: TargetConfig) -> Path | None:
     if cfg.gguf_file and path.is_dir():
         return path / cfg.gguf_file
     return None
+
+
+# config.json keys that name where or how it was saved, not the model
+CONFIG_BOOKKEEPING = ("_name_or_path", "transformers_version", "_commit_hash", "torch_dtype", "dtype")
+
+
+def target_fingerprint(cfg: TargetConfig) -> dict[str, str | None]:
+    """{"revision", "config_hash"} of the target as it reads now: what an export records of its verifier and the
+    training states of the model they came from, so a target replaced under the same name is caught. The revision
+    is the hub commit, the recipe's `target.revision`, or the GGUF file's fingerprint; None for a local folder."""
+    from transformers import PretrainedConfig
+
+    source, _ = resolve_origin(cfg)
+    try:
+        config, _ = PretrainedConfig.get_config_dict(source, revision=cfg.revision)
+    except Exception as exc:
+        raise UserError(f"could not read the config of target {cfg.name_or_path!r}: {describe(exc)}") from None
+    kept = {k: v for k, v in config.items() if k not in CONFIG_BOOKKEEPING}
+    digest = hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    gguf = gguf_file(cfg)
+    revision = config.get("_commit_hash") or cfg.revision or (f"gguf:{_gguf_fingerprint(gguf)}" if gguf else None)
+    return {"revision": revision, "config_hash": f"sha256:{digest}"}
 
 
 def describe_origin(cfg: TargetConfig) -> str:

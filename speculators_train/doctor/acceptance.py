@@ -99,3 +99,30 @@ def check_suites(records: list[dict[str, Any]]) -> Check:
         fix += "the mix"
         return Check(name, "warn", "; ".join(cells), fix)
     return Check(name, "pass", "; ".join(cells))
+
+
+def check_engine_baselines(records: list[dict[str, Any]], engine: str) -> Check:
+    """The draft against `engine`'s own draftless methods (vLLM `ngram`/`suffix`, llama.cpp's n-gram types), suite
+    by suite at T = 0, from one verify run in that engine: the fastest K of each against the fastest baseline."""
+    name = f"draft against {engine}'s free baselines"
+    greedy = [r for r in records if r.get("engine") == engine and r.get("temperature") == 0 and r.get("batch", 1) == 1]
+    drafts = [r for r in greedy if str(r.get("shape", "")).startswith(("chain", "tree"))]
+    free = [r for r in greedy if r not in drafts]
+    if not drafts or not free:
+        return Check(name, "skip", f"no {engine} verify run of this checkpoint with a draftless method beside it")
+    cells, beaten = [], []
+    for suite in dict.fromkeys(r["suite"] for r in drafts):
+        ours = max((r for r in drafts if r["suite"] == suite), key=lambda r: r["speedup"])
+        theirs = max((r for r in free if r["suite"] == suite), key=lambda r: r["speedup"], default=None)
+        if theirs is None:
+            continue
+        cells.append(
+            f"{suite}: draft {ours['shape']} {ours['speedup']:.2f}x, {theirs['shape']} {theirs['speedup']:.2f}x"
+        )
+        if theirs["speedup"] >= ours["speedup"]:
+            beaten.append(suite)
+    if beaten:
+        fix = f"on {', '.join(beaten)} {engine}'s draftless method is as fast: train on more data like these prompts, "
+        fix += "or serve that method there"
+        return Check(name, "warn", "; ".join(cells), fix)
+    return Check(name, "pass", "; ".join(cells) or "no suite has both")

@@ -79,3 +79,33 @@ def check_vocab_map(states_dir: Path, loaded: LoadedDraft) -> Check:
         fix += "check that the draft was meant for this data"
         return Check(name, "warn", detail, fix)
     return Check(name, "pass", detail)
+
+
+def check_verifier(on_disk: dict[str, Any] | None, states_dir: Path, now: dict[str, Any]) -> Check:
+    """The target's revision and config hash recorded by the training states and by the export, against the target
+    as it reads now (`origin.target_fingerprint`): a target replaced under the same name serves a draft trained on
+    another model's states."""
+    name = "verifier: training states and export against the target now"
+    block = ((on_disk or {}).get("speculators_config") or {}).get("verifier") or {}
+    exported = {k: block.get(k) for k in ("revision", "config_hash")} if "config_hash" in block else None
+    try:
+        stored = read_manifest(states_dir).get("target_config")
+    except UserError:
+        stored = None
+    seen = [(where, fp) for where, fp in (("the training states", stored), ("the export", exported)) if fp]
+    if not seen:
+        detail = "neither the training states nor the export record the target's revision and config hash"
+        return Check(name, "skip", detail, "export again (`export --force`) to record them")
+    detail = f"the target now: revision {now['revision']}, config {now['config_hash']}"
+    other = [f"{where}: revision {fp['revision']}, config {fp['config_hash']}" for where, fp in seen
+             if fp["config_hash"] != now["config_hash"]]  # fmt: skip
+    moved = [f"{where}: revision {fp['revision']}" for where, fp in seen
+             if fp["config_hash"] == now["config_hash"] and None not in (fp["revision"], now["revision"])
+             and fp["revision"] != now["revision"]]  # fmt: skip
+    fix = "serve the target the draft was trained for (pin target.revision to the recorded one), or capture states, "
+    fix += "train and export again from this target"
+    if other:
+        return Check(name, "fail", "; ".join([detail, *other]), fix)
+    if moved:
+        return Check(name, "warn", "; ".join([detail + " (the same config)", *moved]), fix)
+    return Check(name, "pass", f"{detail}; {' and '.join(w for w, _ in seen)} record the same")

@@ -10,7 +10,15 @@ from typing import Any
 import torch
 
 from speculators_train.doctor.report import Check
-from speculators_train.export.k import PAYS, StepCosts, best_k, expected_speedups, measured, step_costs
+from speculators_train.export.k import (
+    PAYS,
+    StepCosts,
+    best_k,
+    engine_speedups,
+    expected_speedups,
+    measured,
+    step_costs,
+)
 from speculators_train.target import Target
 
 
@@ -79,3 +87,21 @@ def check_sweep(records: list[dict[str, Any]]) -> Check:
         return Check("K against a sweep", "pass", detail)
     fix = "the costs moved between runs (a busy machine?): rerun the sweep on a quiet machine"
     return Check("K against a sweep", "warn", detail, fix)
+
+
+def check_engine_k(records: list[dict[str, Any]], engine: str, where: str, served: int | None) -> Check:
+    """The K `engine`'s own verify records recommend (its measured speedups, the Ks between on its cost line)
+    against `served`, the export's K."""
+    name = f"K in {engine}"
+    measured_at, expected = engine_speedups(records, engine)
+    if not expected:
+        return Check(name, "skip", f"no greedy draft record in {engine}'s verify run at {where}")
+    best = best_k(expected)
+    k = served if served in expected else max(measured_at)
+    detail = f"{engine} measured {_table(measured_at)}; with the Ks between on its cost line: {_table(expected)}; "
+    detail += f"best K={best}, the export serves K={k}" if served in expected else f"best K={best}"
+    if best != k and expected[best] > expected[k] * PAYS:
+        fix = f"serve {engine} at K={best}: re-export (`export` writes {engine}'s measured best for a format it "
+        fix += f"serves, unless --force-k) or set num_speculative_tokens={best}"
+        return Check(name, "warn", detail, fix)
+    return Check(name, "pass", detail)

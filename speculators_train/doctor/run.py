@@ -12,6 +12,7 @@ from speculators_train.data.chat import Chat
 from speculators_train.data.splits import load_splits
 from speculators_train.doctor.acceptance import (
     check_baseline,
+    check_engine_baselines,
     check_exposure,
     check_suites,
     check_vocabulary,
@@ -19,9 +20,9 @@ from speculators_train.doctor.acceptance import (
 )
 from speculators_train.doctor.classes import acceptance_by_class, check_classes
 from speculators_train.doctor.curve import check_curve, curve_points
-from speculators_train.doctor.data import check_data, check_vocab_map
+from speculators_train.doctor.data import check_data, check_verifier, check_vocab_map
 from speculators_train.doctor.gguf import check_gguf
-from speculators_train.doctor.k import batch_costs, check_k, check_sweep
+from speculators_train.doctor.k import batch_costs, check_engine_k, check_k, check_sweep
 from speculators_train.doctor.report import Check, write
 from speculators_train.doctor.requests import check_rendering, check_system_prompt, read_requests
 from speculators_train.doctor.serve import check_export, check_sglang, check_vllm
@@ -43,13 +44,15 @@ from speculators_train.layout import (
     verify_dir,
 )
 from speculators_train.loading import read_json_object
-from speculators_train.origin import resolve_origin
+from speculators_train.origin import resolve_origin, target_fingerprint
 from speculators_train.proposal import Sampling
 from speculators_train.recipe import Recipe
 from speculators_train.target import Target, load_target
 from speculators_train.verify.decoder import SpeculativeDecoder
 from speculators_train.verify.run import eos_ids, load_draft_for
 from speculators_train.verify.suites import Suite, load_suite
+
+ENGINES = ("vllm", "llama.cpp")  # the engines `verify` runs (`eval.engine`), each with its own records
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,21 @@ def k_checks(
     return checks, report[1] if report else []
 
 
+def engine_checks(recipe: Recipe, loaded: LoadedDraft, served: int | None, engine: str) -> list[Check]:
+    """The K and the free baselines of each engine's newest verify run of this checkpoint (`engine`, the one
+    served, is named as skipped where it has none)."""
+    checks = []
+    for name in ENGINES:
+        report = latest_verify_report(recipe, loaded.path, name)
+        if report is not None:
+            checks += [check_engine_k(report[1], name, str(report[0]), served), check_engine_baselines(report[1], name)]
+        elif name == engine:
+            fix = f"run `speculators-train verify <recipe>` with eval.engine: {name} to measure K and the free "
+            fix += f"baselines in {name} itself"
+            checks.append(Check(f"K in {name}", "skip", f"no {name} verify run of {loaded.path}", fix))
+    return checks
+
+
 def doctor(
     recipe: Recipe,
     export: Path | None,
@@ -182,6 +200,7 @@ def doctor(
     del target
     serve_dtype = served_dtype(on_disk or {}, recipe.export.dtype)
     checks += check_data(recipe.hidden_states_dir, identity, serve_dtype)
+    checks.append(check_verifier(on_disk, recipe.hidden_states_dir, target_fingerprint(recipe.target)))
     checks.append(check_vocab_map(recipe.hidden_states_dir, loaded))
     checks += acceptance
     checks.append(check_exposure(record, held_out_metrics(loaded.path)))
@@ -189,7 +208,7 @@ def doctor(
     checks.append(check_baseline(records, record))
     metrics, k_asked = train_dir(recipe.run_dir) / METRICS, recipe.eval.num_speculative_tokens
     checks.append(check_curve(curve_points(metrics, k_asked), k_asked, metrics))
-    checks += found
+    checks += found + engine_checks(recipe, loaded, served, engine)
     out_dir = out_dir or doctor_dir(recipe.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     write(out_dir, checks, f"doctor: {recipe.source_path}, {engine}")
     return out_dir, checks

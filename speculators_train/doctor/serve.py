@@ -17,6 +17,8 @@ from speculators_train.families.format_common import read_weights
 # Written for people and tools, not read by an engine as a setting of the draft
 BOOKKEEPING = ("transformers_version", "speculators_version", "speculators_train_version")
 MISSING = "<missing>"
+# the verifier's provenance, which `data.check_verifier` judges against the target served now
+PROVENANCE = ("speculators_config.verifier.revision", "speculators_config.verifier.config_hash")
 
 
 def flat(config: Any, prefix: str = "") -> dict[str, Any]:
@@ -32,7 +34,7 @@ def flat(config: Any, prefix: str = "") -> dict[str, Any]:
 def config_diffs(trained: dict[str, Any], exported: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """(field, trained value, exported value) for each leaf that differs, bookkeeping left out."""
     a, b = flat(trained), flat(exported)
-    keys = sorted(k for k in set(a) | set(b) if k.split(".")[-1] not in BOOKKEEPING)
+    keys = sorted(k for k in set(a) | set(b) if k.split(".")[-1] not in BOOKKEEPING and k not in PROVENANCE)
     return [(k, a.get(k, MISSING), b.get(k, MISSING)) for k in keys if a.get(k, MISSING) != b.get(k, MISSING)]
 
 

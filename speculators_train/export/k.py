@@ -6,6 +6,10 @@ the run measured the pass at K + 1 (spec verify seconds per step) and at 1 (targ
 passes between are taken on the line through those two; drafting costs its measured seconds per drafted token.
 Expected speedup(k) = AL(k) * t_1 / (t_verify(k + 1) + k * t_draft). Past the run's K nothing was measured.
 
+An engine (vLLM, llama.cpp) reports totals, not a step's parts: there a step at K costs AL(K) / speedup(K)
+target-only tokens, and the cost per K is the line through the measured Ks (with one K, through 1 at K = 0: a
+step is at least a one-token pass). A K the engine measured counts as measured, the others as expected.
+
 `export` writes the recommended K into the export and its serve lines (unless `--force-k`), `doctor` reports it.
 """
 
@@ -71,24 +75,70 @@ def loop_record(records: list[dict[str, Any]], k: int | None = None) -> dict[str
     return None
 
 
-def recommended_k(records: list[dict[str, Any]], k: int) -> tuple[int, dict[int, float], dict[str, Any]] | None:
-    """(the K to serve, the expected speedups, the record) from the first greedy loop record measured at `k`, or
-    None where there is none."""
-    record = loop_record(records, k)
-    if record is None:
+def engine_records(records: list[dict[str, Any]], engine: str) -> dict[int, list[dict[str, Any]]]:
+    """{K: the greedy one-request records of the draft at K in `engine`, one per suite}."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for r in records:
+        chain = str(r.get("shape", "")).startswith("chain") and r.get("num_speculative_tokens")
+        if r.get("engine") == engine and chain and r.get("temperature") == 0 and r.get("batch", 1) == 1:
+            out.setdefault(r["num_speculative_tokens"], []).append(r)
+    return dict(sorted(out.items()))
+
+
+def _pooled_rates(records: list[dict[str, Any]], k: int) -> list[float]:
+    """Per-position acceptance over `records`' steps together."""
+    steps = sum(r["steps"] for r in records) or 1
+    padded = [list(r["per_position_acceptance"][:k]) + [0.0] * (k - len(r["per_position_acceptance"][:k]))
+              for r in records]  # fmt: skip
+    return [sum(p[i] * r["steps"] for p, r in zip(padded, records, strict=True)) / steps for i in range(k)]
+
+
+def engine_speedups(records: list[dict[str, Any]], engine: str) -> tuple[dict[int, float], dict[int, float]]:
+    """({K: measured speedup}, {k: expected speedup, measured where measured}) for k = 1..the largest K measured
+    in `engine` (both empty where it has no greedy draft record)."""
+    by_k = engine_records(records, engine)
+    if not by_k:
+        return {}, {}
+    measured_at = {k: sum(r["speedup"] for r in rs) / len(rs) for k, rs in by_k.items()}
+    # a step's cost in target-only tokens: tokens per step over speedup
+    cost = {k: (1 + sum(_pooled_rates(rs, k))) / measured_at[k] for k, rs in by_k.items()}
+    ks = list(cost)
+    if len(ks) == 1:
+        a, b = 1.0, max(cost[ks[0]] - 1.0, 0.0) / ks[0]
+    else:
+        mean_k, mean_c = sum(ks) / len(ks), sum(cost.values()) / len(ks)
+        b = sum((k - mean_k) * (cost[k] - mean_c) for k in ks) / sum((k - mean_k) ** 2 for k in ks)
+        a = mean_c - b * mean_k
+    top = ks[-1]
+    rates = _pooled_rates(by_k[top], top)
+    expected = {j: measured_at.get(j, (1 + sum(rates[:j])) / max(a + b * j, 1e-9)) for j in range(1, top + 1)}
+    return measured_at, expected
+
+
+def recommended_k(records: list[dict[str, Any]], k: int, engine: str = "native") -> tuple[int, dict[int, float]] | None:
+    """(the K to serve, the expected speedups) from the greedy loop record measured at `k` (`engine` native) or
+    from `engine`'s records at every K it measured, up to at least `k`; None where there are none."""
+    if engine == "native":
+        record = loop_record(records, k)
+        speedups = expected_speedups(record) if record else {}
+    else:
+        speedups = engine_speedups(records, engine)[1]
+    if k not in speedups:
         return None
-    speedups = expected_speedups(record)
-    return best_k(speedups), speedups, record
+    return best_k(speedups), speedups
 
 
-def served_k(report: tuple[Path, list[dict[str, Any]]] | None, k: int, force_k: bool) -> tuple[int, list[str]]:
-    """(the K an export serves, notes): the measured best of the newest verify `report` on the checkpoint, where
-    one recommends a smaller K than `k` (the recipe's), unless `force_k`."""
-    found = recommended_k(report[1], k) if report else None
+def served_k(
+    report: tuple[Path, list[dict[str, Any]]] | None, k: int, force_k: bool, engine: str = "native"
+) -> tuple[int, list[str]]:
+    """(the K an export serves, notes): the measured best of the newest verify `report` on the checkpoint (made in
+    `engine`), where one recommends a smaller K than `k` (the recipe's), unless `force_k`."""
+    found = recommended_k(report[1], k, engine) if report else None
     if report is None or found is None or found[0] == k:
         return k, []
-    best, speedups, _ = found
-    measured_at = f"the verify run at {report[0]} expects {speedups[best]:.2f}x at K={best}, "
+    best, speedups = found
+    run = "verify run" if engine == "native" else f"{engine} verify run"
+    measured_at = f"the {run} at {report[0]} expects {speedups[best]:.2f}x at K={best}, "
     measured_at += f"{speedups[k]:.2f}x at K={k}"
     if force_k:
         return k, [f"K={k} kept (--force-k): {measured_at}"]

@@ -22,9 +22,9 @@ from speculators_train.architectures import text_config
 from speculators_train.engines.serving import served_commands
 from speculators_train.errors import UserError
 from speculators_train.export.k import served_k
-from speculators_train.families.base import LoadedDraft
+from speculators_train.families.base import ExportFormat, LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft, refuse_non_finite
-from speculators_train.families.format_common import DTYPES
+from speculators_train.families.format_common import DTYPES, stamp_verifier
 from speculators_train.files import to_json, writing
 from speculators_train.head import load_head_weights
 from speculators_train.hidden_states.shards import MANIFEST
@@ -37,7 +37,7 @@ from speculators_train.layout import (
     verify_results,
 )
 from speculators_train.loading import read_json, read_json_object, reading
-from speculators_train.origin import describe_origin, gguf_file, resolve_origin
+from speculators_train.origin import describe_origin, gguf_file, resolve_origin, target_fingerprint
 from speculators_train.recipe import Recipe
 from speculators_train.runlock import exclusive
 
@@ -51,8 +51,11 @@ class Exported:
     notes: list[str]
 
 
-def latest_verify_report(recipe: Recipe, checkpoint: Path) -> tuple[Path, list[dict[str, Any]]] | None:
-    """The newest `verify` results measured on this very checkpoint, if any."""
+def latest_verify_report(
+    recipe: Recipe, checkpoint: Path, engine: str = "native"
+) -> tuple[Path, list[dict[str, Any]]] | None:
+    """The newest `verify` results measured on this very checkpoint in `engine`, if any (an engine's draftless
+    baselines name no checkpoint; its draft records must name this one)."""
     for results in verify_results(recipe.run_dir):
         try:
             records = read_json(results, "verify results")
@@ -60,9 +63,27 @@ def latest_verify_report(recipe: Recipe, checkpoint: Path) -> tuple[Path, list[d
             continue
         if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
             continue  # not a report `verify` wrote: as unreadable as a damaged one
-        if records and all(Path(str(r.get("checkpoint", ""))).resolve() == checkpoint.resolve() for r in records):
+        drafted = [r for r in records if r.get("checkpoint")]
+        same = [Path(str(r["checkpoint"])).resolve() == checkpoint.resolve() for r in drafted]
+        if drafted and all(same) and all(r.get("engine", "native") == engine for r in records):
             return results, records
     return None
+
+
+def served_engine(export_format: ExportFormat, out: Path, k: int) -> str:
+    """The engine whose verify runs decide an export's K: llama.cpp for a draft file beside a GGUF target, vLLM
+    for a format it serves, else the native loop."""
+    if export_format.draft_file:
+        return "llama.cpp"
+    return "vllm" if export_format.vllm_speculative_config(out, k) is not None else "native"
+
+
+def serving_k(recipe: Recipe, checkpoint: Path, engine: str, asked: int, force_k: bool) -> tuple[int, list[str]]:
+    """(the K an export serves, notes): from the newest verify run in the engine that serves it, else the loop's."""
+    report = latest_verify_report(recipe, checkpoint, engine) if engine != "native" else None
+    if report is None:
+        engine, report = "native", latest_verify_report(recipe, checkpoint)
+    return served_k(report, asked, force_k, engine)
 
 
 def model_card(
@@ -78,6 +99,7 @@ def model_card(
         "|---|---|",
         f"| target (verifier) | `{verifier}` |",
         f"| trained and measured against | {describe_origin(recipe.target)} |",
+        "| target revision, config hash | {revision}, {config_hash} |".format(**target_fingerprint(recipe.target)),
         *(f"| {name} | {value} |" for name, value in family.card_rows(loaded.draft, fmt, k)),
         f"| dtype | {dtype} |",
         "",
@@ -259,13 +281,14 @@ def _export(
             "one-argument `vllm serve <dir>` needs a hub id (set export.verifier)"
         )
     asked = family.draft_tokens(draft, recipe.eval.num_speculative_tokens)
-    k, more = served_k(latest_verify_report(recipe, loaded.path), asked, force_k)
+    k, more = serving_k(recipe, loaded.path, served_engine(export_format, out, asked), asked, force_k)
     notes += more
     lines = export_format.commands(out, served, recipe.eval, k)
     nextn = export_format.vllm_mtp_classes(draft)
     commands, more = served_commands(recipe.target, target_config, family.settings, lines, nextn)
     notes += more
     config, weights = export_format.write(draft, dtype, verifier, architectures, k)
+    stamp_verifier(config, target_fingerprint(recipe.target))
     refuse_non_finite(weights, f"{loaded.path} in {dtype}")  # float16 overflows past 65504
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -90,6 +90,15 @@ def proposal_config(
     }
 
 
+def stamp_verifier(config: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+    """Record the verifier's revision and config hash (`origin.target_fingerprint`) in a config's
+    `speculators_config` block, where there is one: engines read the verifier's name alone, `doctor` reads these."""
+    block = config.get("speculators_config")
+    verifier = block.get("verifier") if isinstance(block, dict) else None
+    if isinstance(verifier, dict):
+        verifier.update(fingerprint)
+
+
 def proposal_k(config: dict[str, Any]) -> int | None:
     """The `speculative_tokens` of a config's `speculators_config` block (`proposal_config`), or None."""
     block = config.get("speculators_config")

@@ -40,6 +40,7 @@ from speculators_train.hidden_states.shards import (
     write_shard,
 )
 from speculators_train.loading import open_tensors, read_json
+from speculators_train.origin import target_fingerprint
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
 from speculators_train.target import Target, load_target
@@ -141,7 +142,8 @@ def generate(recipe: Recipe) -> dict[str, Any]:
     progress = Progress(out_dir / "progress" / f"rank{rank:03d}.json", identity)
     run_rank(recipe, target, splits, progress, rank, world, state.is_local_main_process, state.local_process_index)
     state.wait_for_everyone()
-    manifest = _finalize(out_dir, identity, splits, world) if state.is_main_process else {}
+    fingerprint = target_fingerprint(recipe.target)
+    manifest = _finalize(out_dir, identity, splits, world, fingerprint) if state.is_main_process else {}
     state.wait_for_everyone()
     return manifest
 
@@ -204,8 +206,11 @@ def _store(progress: Progress, split: str, path: Path, result: ChunkResult) -> N
     progress.add(split, entry)
 
 
-def _finalize(out_dir: Path, identity: dict[str, Any], splits: Splits, world: int) -> dict[str, Any]:
-    """Merge the ranks' progress into manifest.json and count loss-masked token frequencies."""
+def _finalize(
+    out_dir: Path, identity: dict[str, Any], splits: Splits, world: int, fingerprint: dict[str, Any]
+) -> dict[str, Any]:
+    """Merge the ranks' progress into manifest.json and count loss-masked token frequencies. `fingerprint`: the
+    target's revision and config hash, beside the identity (a set made before it was recorded still resumes)."""
     skips = SkipReport()
     skips.merge(splits.report)
     manifest_splits = {}
@@ -240,6 +245,7 @@ def _finalize(out_dir: Path, identity: dict[str, Any], splits: Splits, world: in
         "version": VERSION,
         "complete": True,
         "identity": identity,
+        "target_config": fingerprint,
         "splits": manifest_splits,
         "skips": skips.to_dict(),
         "token_freq": TOKEN_FREQ,

@@ -14,6 +14,7 @@ after the other, so the baseline is timed before the speculative runs rather tha
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ from speculators_train.verify.suites import Suite
 
 ENGINE = "vllm"
 NGRAM = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}  # vLLM's documented n-gram example settings
+# each draftless method's settings beyond K: suffix decoding keeps vLLM's defaults (tree depth 24, capped at K)
+BASELINES: dict[str, dict[str, Any]] = {"ngram": NGRAM, "suffix": {}}
 
 
 def served_format(loaded: LoadedDraft) -> ExportFormat:
@@ -73,7 +76,9 @@ def settings(
             spec = export_format.vllm_speculative_config(exported, k)
             assert spec is not None  # served_format picked a vLLM format
             out.append(("draft", k, spec))
-    out += [(name, ks[0], {"method": name, "num_speculative_tokens": ks[0], **NGRAM}) for name in cfg.baselines]
+    out += [
+        (name, ks[0], {"method": name, "num_speculative_tokens": ks[0], **BASELINES[name]}) for name in cfg.baselines
+    ]
     return out
 
 
@@ -189,6 +194,11 @@ def engine_for(recipe: Recipe, speculative_config: dict[str, Any] | None) -> vll
 def run_vllm(recipe: Recipe, suites: list[Suite], loaded: LoadedDraft | None, out_dir: Path) -> list[dict[str, Any]]:
     """Every (setting, suite, temperature, batch) record; without a draft only the draftless methods run."""
     vllm.require()
+    if "suffix" in recipe.eval.vllm.baselines and importlib.util.find_spec("arctic_inference") is None:
+        raise UserError(
+            "eval.vllm.baselines: `suffix` is vLLM's suffix decoding, which needs the arctic-inference package "
+            "(`pip install arctic-inference`); install it or drop `suffix`"
+        )
     export_format, exported = None, None
     if loaded is not None:
         export_format = served_format(loaded)

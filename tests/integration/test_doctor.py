@@ -15,6 +15,8 @@ from speculators_train.export.run import export
 from speculators_train.recipe import load_recipe
 from tests.conftest import SHAREGPT, make_recipe
 
+VERIFIER = "verifier: training states and export against the target now"
+
 
 @pytest.fixture(scope="module")
 def case(fitted, states, tmp_path_factory):
@@ -62,9 +64,19 @@ def test_a_clean_export_passes_every_check(case, tmp_path):
     assert [c.name for c in checks.values() if c.status == "fail"] == []
     assert checks["vLLM reads the export as trained"].status == "pass"
     assert checks["chat template: training against serving"].status == "pass"
+    assert checks[VERIFIER].status == "pass" and "the export" in checks[VERIFIER].detail
     # the loop decoded the suite's prompts with the draft: every step is classed, the reply's first token first
     classes = checks["first-draft acceptance by the target's next token"]
     assert classes.status in ("pass", "warn") and re.search(r"first token of a reply [0-2]/2 \(", classes.detail)
+
+
+def test_an_export_for_another_revision_of_the_target_fails_naming_both(case, tmp_path):
+    def other_target(config):
+        config["speculators_config"]["verifier"].update(revision="0ld", config_hash="sha256:0ther")
+
+    check = run(case, tmp_path, edit_config(other_target))[VERIFIER]
+    assert check.status == "fail" and "the export: revision 0ld, config sha256:0ther" in check.detail
+    assert "pin target.revision" in check.fix
 
 
 def test_aux_layer_ids_off_by_one_are_named_with_what_vllm_will_capture(case, tmp_path):

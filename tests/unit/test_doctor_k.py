@@ -1,11 +1,15 @@
 """The K a verify run's measurements recommend (`doctor`): acceptance per position against the costs measured."""
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from speculators_train.doctor.k import check_k, check_sweep
-from speculators_train.export.k import StepCosts, expected_speedups, served_k
+from speculators_train.doctor.acceptance import check_engine_baselines
+from speculators_train.doctor.k import check_engine_k, check_k, check_sweep
+from speculators_train.export.k import StepCosts, engine_speedups, expected_speedups, served_k
+from speculators_train.export.run import latest_verify_report
 from speculators_train.families.format_common import proposal_config, proposal_k
 
 
@@ -103,3 +107,58 @@ def test_acceptance_by_suite_names_a_suite_far_below_the_best():
     assert "chat AL 1.80 pooled, 1.80 per-request mean, 1.00x" in check.detail and "2.50" not in check.detail
     assert check_suites([suite("chat", 1.8), suite("code", 1.5)]).status == "pass"
     assert check_suites([]).status == "skip"
+
+
+def engine_record(k: int, rates: list[float], speedup: float, engine: str = "vllm", suite: str = "s") -> dict:
+    return {"engine": engine, "suite": suite, "shape": f"chain(K={k})", "num_speculative_tokens": k, "batch": 1,
+            "temperature": 0.0, "steps": 100, "per_position_acceptance": rates, "speedup": speedup,
+            "acceptance_length": 1 + sum(rates), "checkpoint": "ckpt"}  # fmt: skip
+
+
+RATES = [0.8, 0.5, 0.1, 0.05]
+
+
+def test_an_engines_step_cost_is_the_line_through_its_measured_ks():
+    # a step costs 1 + K/4 target-only tokens: K=4 -> 2.0 (AL 2.45, 1.225x), K=2 -> 1.5 (AL 2.3, 1.533x)
+    records = [engine_record(2, RATES[:2], 2.3 / 1.5), engine_record(4, RATES, 2.45 / 2.0)]
+    measured_at, expected = engine_speedups(records, "vllm")
+    assert measured_at == {2: pytest.approx(2.3 / 1.5), 4: pytest.approx(1.225)}
+    assert expected[1] == pytest.approx(1.8 / 1.25) and expected[3] == pytest.approx(2.4 / 1.75)
+    assert engine_speedups(records, "llama.cpp") == ({}, {})  # another engine's records say nothing here
+    # one measured K: the line runs through a one-token pass at K = 0
+    _, single = engine_speedups(records[1:], "vllm")
+    assert single[2] == pytest.approx(2.3 / 1.5)
+    check = check_engine_k(records, "vllm", "runs/x/verify/2", 4)
+    assert check.status == "warn" and "serve vllm at K=2" in check.fix and "the export serves K=4" in check.detail
+
+
+def test_export_takes_the_serving_engines_measured_k():
+    report = (Path("runs/x/verify/2/results.json"), [engine_record(2, RATES[:2], 2.3 / 1.5),
+                                                    engine_record(4, RATES, 1.225)])  # fmt: skip
+    k, notes = served_k(report, 4, force_k=False, engine="vllm")
+    assert k == 2 and "the vllm verify run at runs/x/verify/2" in notes[0]
+    assert served_k(report, 4, force_k=False) == (4, [])  # no native loop record in an engine's run
+
+
+def test_the_draft_is_compared_with_the_engines_own_draftless_methods():
+    draft = engine_record(2, RATES[:2], 1.3, engine="llama.cpp")
+    free = {**draft, "shape": "ngram-simple", "num_speculative_tokens": None, "speedup": 1.4, "checkpoint": None}
+    check = check_engine_baselines([draft, free], "llama.cpp")
+    assert check.status == "warn" and "ngram-simple 1.40x" in check.detail and "on s " in check.fix
+    assert check_engine_baselines([draft, {**free, "speedup": 1.1}], "llama.cpp").status == "pass"
+    assert check_engine_baselines([draft], "llama.cpp").status == "skip"
+
+
+def test_the_newest_report_per_engine_counts_an_engines_draftless_records(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    runs = {"1": [{**record(RATES), "checkpoint": str(ckpt)}],
+            "2": [{**engine_record(4, RATES, 1.2), "checkpoint": str(ckpt)},
+                  {**engine_record(4, RATES, 1.1), "shape": "ngram(K=4)", "checkpoint": None}],
+            "3": [{**record(RATES), "checkpoint": str(tmp_path / "another")}]}  # fmt: skip
+    for name, records in runs.items():
+        (tmp_path / "verify" / name).mkdir(parents=True)
+        (tmp_path / "verify" / name / "results.json").write_text(json.dumps(records))
+    recipe = SimpleNamespace(run_dir=tmp_path)
+    assert latest_verify_report(recipe, ckpt)[0].parent.name == "1"  # type: ignore[arg-type,index]
+    assert latest_verify_report(recipe, ckpt, "vllm")[0].parent.name == "2"  # type: ignore[arg-type,index]
+    assert latest_verify_report(recipe, ckpt, "llama.cpp") is None  # type: ignore[arg-type]

@@ -1,5 +1,7 @@
 """The free baseline's prompt lookup: what it proposes, from which occurrence."""
 
+import pytest
+
 from speculators_train.proposal import Sampling
 from speculators_train.verify.ngram import NgramProposer
 
@@ -27,3 +29,23 @@ def test_a_longer_match_wins_and_no_match_proposes_nothing():
 def test_a_tree_is_the_lookup_as_one_chain():
     tree = proposer([1, 2, 3, 1, 2]).propose_tree(type("Spec", (), {"depth": 4})())
     assert tree.tokens == [3, 1, 2] and tree.parents == [-1, 0, 1] and tree.depths == [1, 2, 3]
+
+
+def test_vllms_suffix_baseline_runs_with_its_own_settings_or_is_refused_by_name(monkeypatch, tmp_path):
+    import importlib.util
+
+    from speculators_train.errors import UserError
+    from speculators_train.recipe import load_recipe
+    from speculators_train.verify import vllm_run
+    from tests.conftest import REPO
+
+    recipe = load_recipe(REPO / "recipes" / "eagle3.yaml", {"eval.vllm.baselines": ["ngram", "suffix"]})
+    runs = {name: config for name, _, config in vllm_run.settings(recipe, None, None)}
+    k = recipe.eval.num_speculative_tokens
+    assert runs["suffix"] == {"method": "suffix", "num_speculative_tokens": k}  # no prompt-lookup settings
+    assert runs["ngram"]["prompt_lookup_max"] == 4
+    monkeypatch.setattr(vllm_run.vllm, "require", lambda: None)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "arctic_inference" else real(name))
+    with pytest.raises(UserError, match=r"eval\.vllm\.baselines: `suffix`.*arctic-inference"):
+        vllm_run.run_vllm(recipe, [], None, tmp_path)
