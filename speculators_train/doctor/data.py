@@ -108,4 +108,4 @@ def check_verifier(on_disk: dict[str, Any] | None, states_dir: Path, now: dict[s
         return Check(name, "fail", "; ".join([detail, *other]), fix)
     if moved:
         return Check(name, "warn", "; ".join([detail + " (the same config)", *moved]), fix)
-    return Check(name, "pass", f"{detail}; {' and '.join(w for w, _ in seen)} record the same")
+    return Check(name, "pass", f"{detail}; {' and '.join(w for w, _ in seen)} record{'s' * (len(seen) == 1)} the same")

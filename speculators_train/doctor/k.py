@@ -89,16 +89,18 @@ def check_sweep(records: list[dict[str, Any]]) -> Check:
     return Check("K against a sweep", "warn", detail, fix)
 
 
-def check_engine_k(records: list[dict[str, Any]], engine: str, where: str, served: int | None) -> Check:
-    """The K `engine`'s own verify records recommend (its measured speedups, the Ks between on its cost line)
-    against `served`, the export's K."""
-    name = f"K in {engine}"
-    measured_at, expected = engine_speedups(records, engine)
+def check_engine_k(records: list[dict[str, Any]], engine: str, where: str, served: int | None, batch: int = 1) -> Check:
+    """The K `engine`'s own verify records at `batch` requests at once recommend (its measured speedups, the Ks
+    between on its cost line) against `served`, the export's K."""
+    name = f"K in {engine}" + (f" at batch {batch}" if batch > 1 else "")
+    measured_at, expected = engine_speedups(records, engine, batch)
     if not expected:
         return Check(name, "skip", f"no greedy draft record in {engine}'s verify run at {where}")
     best = best_k(expected)
     k = served if served in expected else max(measured_at)
-    detail = f"{engine} measured {_table(measured_at)}; with the Ks between on its cost line: {_table(expected)}; "
+    detail = f"{engine} measured {_table(measured_at)}; "
+    if expected.keys() != measured_at.keys():
+        detail += f"with the Ks between on its cost line: {_table(expected)}; "
     detail += f"best K={best}, the export serves K={k}" if served in expected else f"best K={best}"
     if best != k and expected[best] > expected[k] * PAYS:
         fix = f"serve {engine} at K={best}: re-export (`export` writes {engine}'s measured best for a format it "

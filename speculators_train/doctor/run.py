@@ -4,7 +4,7 @@ the training data against the target as served, and the K a verify run's measure
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from speculators_train.architectures import text_config
@@ -162,12 +162,28 @@ def engine_checks(recipe: Recipe, loaded: LoadedDraft, served: int | None, engin
     for name in ENGINES:
         report = latest_verify_report(recipe, loaded.path, name)
         if report is not None:
-            checks += [check_engine_k(report[1], name, str(report[0]), served), check_engine_baselines(report[1], name)]
+            batches = sorted({r.get("batch", 1) for r in report[1]} | {1})
+            ours = served if name == engine else None  # the export's K is for the engine it is checked for
+            checks += [check_engine_k(report[1], name, str(report[0]), ours, b) for b in batches]
+            checks.append(check_engine_baselines(report[1], name))
         elif name == engine:
             fix = f"run `speculators-train verify <recipe>` with eval.engine: {name} to measure K and the free "
             fix += f"baselines in {name} itself"
             checks.append(Check(f"K in {name}", "skip", f"no {name} verify run of {loaded.path}", fix))
     return checks
+
+
+def defer_to_engine(loop: list[Check], engines: list[Check], engine: str) -> list[Check]:
+    """The loop's K checks, then the engines'. Where the served engine measured K itself, its check decides the K
+    to serve (as `export` does) and the loop's stand as information."""
+    if not any(c.name.startswith(f"K in {engine}") and c.status != "skip" for c in engines):
+        return loop + engines
+    note = f"; the loop's costs, not {engine}'s: its own run decides (K in {engine})"
+    loop = list(loop)
+    for i, c in enumerate(loop):
+        if c.status == "warn" and (c.name == "K" or c.name.startswith("K at batch")):
+            loop[i] = replace(c, status="pass", detail=c.detail + note, fix="")
+    return loop + engines
 
 
 def doctor(
@@ -208,7 +224,7 @@ def doctor(
     checks.append(check_baseline(records, record))
     metrics, k_asked = train_dir(recipe.run_dir) / METRICS, recipe.eval.num_speculative_tokens
     checks.append(check_curve(curve_points(metrics, k_asked), k_asked, metrics))
-    checks += found + engine_checks(recipe, loaded, served, engine)
+    checks += defer_to_engine(found, engine_checks(recipe, loaded, served, engine), engine)
     out_dir = out_dir or doctor_dir(recipe.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     write(out_dir, checks, f"doctor: {recipe.source_path}, {engine}")
     return out_dir, checks

@@ -75,12 +75,15 @@ def loop_record(records: list[dict[str, Any]], k: int | None = None) -> dict[str
     return None
 
 
-def engine_records(records: list[dict[str, Any]], engine: str) -> dict[int, list[dict[str, Any]]]:
-    """{K: the greedy one-request records of the draft at K in `engine`, one per suite}."""
+def engine_records(records: list[dict[str, Any]], engine: str, batch: int = 1) -> dict[int, list[dict[str, Any]]]:
+    """{K: the greedy records of the draft at K in `engine` with `batch` requests at once, one per suite}, on the
+    first target the run served (llama.cpp also runs an unquantized copy of a quantized target)."""
     out: dict[int, list[dict[str, Any]]] = {}
-    for r in records:
-        chain = str(r.get("shape", "")).startswith("chain") and r.get("num_speculative_tokens")
-        if r.get("engine") == engine and chain and r.get("temperature") == 0 and r.get("batch", 1) == 1:
+    ours = [r for r in records if r.get("engine") == engine and str(r.get("shape", "")).startswith("chain")]
+    served = ours[0].get("target") if ours else None
+    for r in ours:
+        greedy = r.get("temperature") == 0 and r.get("batch", 1) == batch
+        if greedy and r.get("num_speculative_tokens") and r.get("target") == served:
             out.setdefault(r["num_speculative_tokens"], []).append(r)
     return dict(sorted(out.items()))
 
@@ -93,10 +96,12 @@ def _pooled_rates(records: list[dict[str, Any]], k: int) -> list[float]:
     return [sum(p[i] * r["steps"] for p, r in zip(padded, records, strict=True)) / steps for i in range(k)]
 
 
-def engine_speedups(records: list[dict[str, Any]], engine: str) -> tuple[dict[int, float], dict[int, float]]:
+def engine_speedups(
+    records: list[dict[str, Any]], engine: str, batch: int = 1
+) -> tuple[dict[int, float], dict[int, float]]:
     """({K: measured speedup}, {k: expected speedup, measured where measured}) for k = 1..the largest K measured
-    in `engine` (both empty where it has no greedy draft record)."""
-    by_k = engine_records(records, engine)
+    in `engine` at `batch` (both empty where it has no greedy draft record)."""
+    by_k = engine_records(records, engine, batch)
     if not by_k:
         return {}, {}
     measured_at = {k: sum(r["speedup"] for r in rs) / len(rs) for k, rs in by_k.items()}
@@ -117,15 +122,16 @@ def engine_speedups(records: list[dict[str, Any]], engine: str) -> tuple[dict[in
 
 def recommended_k(records: list[dict[str, Any]], k: int, engine: str = "native") -> tuple[int, dict[int, float]] | None:
     """(the K to serve, the expected speedups) from the greedy loop record measured at `k` (`engine` native) or
-    from `engine`'s records at every K it measured, up to at least `k`; None where there are none."""
+    from `engine`'s records at the Ks it measured (`eval.<engine>.speculative_tokens`, which may leave out `k`); None
+    where there are none."""
     if engine == "native":
         record = loop_record(records, k)
         speedups = expected_speedups(record) if record else {}
+        if k not in speedups:
+            return None
     else:
         speedups = engine_speedups(records, engine)[1]
-    if k not in speedups:
-        return None
-    return best_k(speedups), speedups
+    return (best_k(speedups), speedups) if speedups else None
 
 
 def served_k(
@@ -139,7 +145,7 @@ def served_k(
     best, speedups = found
     run = "verify run" if engine == "native" else f"{engine} verify run"
     measured_at = f"the {run} at {report[0]} expects {speedups[best]:.2f}x at K={best}, "
-    measured_at += f"{speedups[k]:.2f}x at K={k}"
+    measured_at += f"{speedups[k]:.2f}x at K={k}" if k in speedups else f"K={k} was not run there"
     if force_k:
         return k, [f"K={k} kept (--force-k): {measured_at}"]
     return best, [f"K={best}, not eval.num_speculative_tokens={k}: {measured_at} (--force-k keeps K={k})"]

@@ -21,7 +21,7 @@ from speculators_train import __version__
 from speculators_train.architectures import text_config
 from speculators_train.engines.serving import served_commands
 from speculators_train.errors import UserError
-from speculators_train.export.k import served_k
+from speculators_train.export.k import recommended_k, served_k
 from speculators_train.families.base import ExportFormat, LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft, refuse_non_finite
 from speculators_train.families.format_common import DTYPES, stamp_verifier
@@ -79,9 +79,10 @@ def served_engine(export_format: ExportFormat, out: Path, k: int) -> str:
 
 
 def serving_k(recipe: Recipe, checkpoint: Path, engine: str, asked: int, force_k: bool) -> tuple[int, list[str]]:
-    """(the K an export serves, notes): from the newest verify run in the engine that serves it, else the loop's."""
+    """(the K an export serves, notes): from the newest verify run in the engine that serves it where that run
+    measured up to `asked`, else from the loop's."""
     report = latest_verify_report(recipe, checkpoint, engine) if engine != "native" else None
-    if report is None:
+    if report is None or recommended_k(report[1], asked, engine) is None:
         engine, report = "native", latest_verify_report(recipe, checkpoint)
     return served_k(report, asked, force_k, engine)
 

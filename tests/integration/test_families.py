@@ -160,7 +160,9 @@ def test_the_proposer_drafts_the_same_tokens_on_the_packed_weights_verify_uses(t
 
 
 def test_every_export_format_reads_back_to_the_same_draft(tmp_path, target, fresh):
+    from speculators_train.doctor.data import check_verifier
     from speculators_train.doctor.run import serve_checks
+    from speculators_train.origin import target_fingerprint
 
     family, _, draft = fresh
     recipe = load_recipe(
@@ -183,6 +185,9 @@ def test_every_export_format_reads_back_to_the_same_draft(tmp_path, target, fres
         engine = "llama.cpp" if fmt.draft_file else "sglang" if name == "sglang" else "vllm"
         checks = serve_checks(recipe, load_draft(checkpoint, target.num_layers), out, on_disk, engine)
         assert [c for c in checks if c.status == "fail"] == [], name
+        if on_disk and "speculators_config" in on_disk:  # the verifier's revision and config hash, as read now
+            provenance = check_verifier(on_disk, recipe.hidden_states_dir, target_fingerprint(recipe.target))
+            assert provenance.status == "pass", (name, provenance)
 
 
 FULL_VOCABULARY = [f for f in families.FAMILIES if "draft_vocab_size" in families.get(f).settings.model_fields]

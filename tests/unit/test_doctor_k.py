@@ -125,6 +125,12 @@ def test_an_engines_step_cost_is_the_line_through_its_measured_ks():
     assert measured_at == {2: pytest.approx(2.3 / 1.5), 4: pytest.approx(1.225)}
     assert expected[1] == pytest.approx(1.8 / 1.25) and expected[3] == pytest.approx(2.4 / 1.75)
     assert engine_speedups(records, "llama.cpp") == ({}, {})  # another engine's records say nothing here
+    unquantized = {**engine_record(4, RATES, 3.0), "target": "f32"}  # llama.cpp's second target is not the served one
+    assert engine_speedups([{**r, "target": "gguf"} for r in records] + [unquantized], "vllm")[0] == measured_at
+    batched = {**engine_record(4, RATES, 0.9), "batch": 8}  # all prompts at once: its own K, not batch 1's
+    assert engine_speedups([*records, batched], "vllm")[0] == measured_at
+    assert engine_speedups([*records, batched], "vllm", batch=8)[0] == {4: 0.9}
+    assert check_engine_k([*records, batched], "vllm", "v", 4, batch=8).name == "K in vllm at batch 8"
     # one measured K: the line runs through a one-token pass at K = 0
     _, single = engine_speedups(records[1:], "vllm")
     assert single[2] == pytest.approx(2.3 / 1.5)
@@ -138,6 +144,8 @@ def test_export_takes_the_serving_engines_measured_k():
     k, notes = served_k(report, 4, force_k=False, engine="vllm")
     assert k == 2 and "the vllm verify run at runs/x/verify/2" in notes[0]
     assert served_k(report, 4, force_k=False) == (4, [])  # no native loop record in an engine's run
+    k, notes = served_k(report, 6, force_k=False, engine="vllm")  # the engine ran other Ks than the recipe's
+    assert k == 2 and "K=6 was not run there" in notes[0]
 
 
 def test_the_draft_is_compared_with_the_engines_own_draftless_methods():
@@ -162,3 +170,16 @@ def test_the_newest_report_per_engine_counts_an_engines_draftless_records(tmp_pa
     assert latest_verify_report(recipe, ckpt)[0].parent.name == "1"  # type: ignore[arg-type,index]
     assert latest_verify_report(recipe, ckpt, "vllm")[0].parent.name == "2"  # type: ignore[arg-type,index]
     assert latest_verify_report(recipe, ckpt, "llama.cpp") is None  # type: ignore[arg-type]
+
+
+def test_the_served_engines_own_k_check_decides_and_the_loops_stands_as_information():
+    from speculators_train.doctor.report import Check
+    from speculators_train.doctor.run import defer_to_engine
+
+    loop = [Check("K", "warn", "best K=1", "serve at K=1"), Check("K against a sweep", "warn", "x", "rerun")]
+    vllm = [Check("K in vllm", "pass", "best K=3")]
+    out = defer_to_engine(loop, vllm, "vllm")
+    assert out[0].status == "pass" and "its own run decides (K in vllm)" in out[0].detail and out[0].fix == ""
+    assert out[1].status == "warn" and out[2:] == vllm  # the sweep is the loop's own question
+    assert defer_to_engine(loop, vllm, "llama.cpp") == loop + vllm  # llama.cpp measured nothing: the loop decides
+    assert defer_to_engine(loop, [Check("K in vllm", "skip", "no run")], "vllm")[0].status == "warn"
