@@ -150,7 +150,7 @@ def test_states_head_and_decoding_are_the_targets_own(built, name):
 @pytest.mark.parametrize(("name", "family"), combos(), ids=[f"{n}-{f}" for n, f in combos()])
 def test_every_stage_runs_for_every_family(built, generated, tmp_path, capsys, name, family):
     """data, train, export and verify in the CLI (generate: once per target, above), or a refusal naming the
-    reason before any work; verify's greedy output is the target's own."""
+    reason before any work; verify's greedy output is the target's own; doctor then finds nothing wrong."""
     recipe = matrix_recipe(tmp_path, built(name), family)
     refusal = REFUSED.get((name, family))
     code, err = cli(["data", recipe], capsys)
@@ -163,12 +163,20 @@ def test_every_stage_runs_for_every_family(built, generated, tmp_path, capsys, n
         code, err = cli(stage, capsys)
         if stage[0] == "verify" and name in NO_LOOP:
             assert code == 2 and "recurrent state" in err and "--engine vllm" in err, err
-            return
+            break
         assert code == 0, f"{name} {family}: {stage[0]}: {err}"
-    # the draft's record, then the n-gram baseline decoded beside it (eval.baselines); both exact
-    record, free = json.loads((tmp_path / "verify" / "results.json").read_text())
-    assert free["shape"].startswith("ngram") and free["greedy_identical_outputs"] == "1/1", free
-    assert record["greedy_identical_outputs"] == "1/1", record
+    else:
+        # the draft's record, then the n-gram baseline decoded beside it (eval.baselines); both exact
+        record, free = json.loads((tmp_path / "verify" / "results.json").read_text())
+        assert free["shape"].startswith("ngram") and free["greedy_identical_outputs"] == "1/1", free
+        assert record["greedy_identical_outputs"] == "1/1", record
+    # doctor on this export and these runs: every check runs, and a clean pipeline fails none
+    from speculators_train.doctor.run import doctor
+    from speculators_train.recipe import load_recipe
+
+    _, checks = doctor(load_recipe(recipe), None, None, "vllm", tmp_path / "doctor")
+    assert [c for c in checks if c.status == "fail"] == [], f"{name} {family}"
+    assert {"K", "verifier: training states and export against the target now"} <= {c.name for c in checks}
 
 
 # Families refused for a target at recipe load, with the reason the refusal names.
