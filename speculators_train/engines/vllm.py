@@ -122,6 +122,7 @@ def spec_counts(metrics: list[Any]) -> SpecCounts:
 class Completion:
     tokens: list[int]
     seconds: float  # wall time of the call that produced it (a batch's time for each of its requests)
+    counts: SpecCounts | None = None  # the request's own spec-decode counts, where it ran alone
 
 
 @dataclass
@@ -313,4 +314,5 @@ class Engine:
             self.generate([ids], max_new, temperature, top_p, [seed]) for ids, seed in zip(prompts, seeds, strict=True)
         ]
         total = sum((c.counts for c in calls), SpecCounts())
-        return Decoded([c.completions[0] for c in calls], sum(c.seconds for c in calls), total)
+        done = [Completion(c.completions[0].tokens, c.seconds, c.counts) for c in calls]
+        return Decoded(done, sum(c.seconds for c in calls), total)

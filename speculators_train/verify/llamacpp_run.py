@@ -26,7 +26,7 @@ from speculators_train.export.run import export
 from speculators_train.families.base import ExportFormat, LoadedDraft
 from speculators_train.origin import cache_root, gguf_file, resolve_origin
 from speculators_train.recipe import Recipe
-from speculators_train.verify.report import quartiles
+from speculators_train.verify.report import per_request_al, quartiles
 from speculators_train.verify.suites import Suite
 
 ENGINE = "llama.cpp"
@@ -101,6 +101,7 @@ def record(
         "top_p": 1.0,
         "prompts": len(spec),
         "acceptance_length": 1 + accepted / steps if steps else 1.0,
+        **per_request_al([1 + c.accepted / c.steps for c in spec if c.steps]),
         "per_position_acceptance": [n / steps if steps else 0.0 for n in per_pos],
         "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
         "steps": steps,

@@ -41,6 +41,15 @@ def quartiles(values: list[float]) -> list[float]:
     return statistics.quantiles(values, n=4, method="inclusive")
 
 
+def per_request_al(values: list[float]) -> dict[str, Any]:
+    """An engine record's mean of each request's own AL (SpecForge's definition) over the requests that drafted,
+    and those ALs; None where the engine counted the requests together (a batch)."""
+    return {
+        "acceptance_length_per_request_mean": sum(values) / len(values) if values else None,
+        "per_prompt_acceptance_length": values,
+    }
+
+
 def score(
     suite: str,
     shape: str,

@@ -30,7 +30,7 @@ from speculators_train.origin import resolve_origin
 from speculators_train.recipe import Recipe
 from speculators_train.target import load_target_config
 from speculators_train.verify.llamacpp_run import first_divergence
-from speculators_train.verify.report import quartiles
+from speculators_train.verify.report import per_request_al, quartiles
 from speculators_train.verify.suites import Suite
 
 ENGINE = "vllm"
@@ -131,6 +131,7 @@ def record(
         "top_p": top_p,
         "prompts": prompts,
         "acceptance_length": counts.acceptance_length,
+        **per_request_al([c.counts.acceptance_length for c in spec.completions if c.counts and c.counts.drafts]),
         "per_position_acceptance": counts.per_position_rates(k),
         "draft_acceptance_rate": counts.accepted / counts.draft_tokens if counts.draft_tokens else 0.0,
         "steps": counts.drafts,

@@ -54,7 +54,8 @@ def test_a_record_counts_acceptance_and_identity_as_llamacpp_reports_them(tmp_pa
     ]
     base = [Completion(list(range(10)), 2.0, 0.1), Completion([5, 6, 7, 8], 2.0, 0.1)]
     r = record("s", "f32", tmp_path / "t.gguf", "draft", 2, spec, base)
-    assert r["acceptance_length"] == pytest.approx(1 + 5 / 5)
+    assert r["acceptance_length"] == pytest.approx(1 + 5 / 5)  # pooled over the 5 steps
+    assert r["acceptance_length_per_request_mean"] == pytest.approx((1 + 5 / 4 + 1 + 0 / 1) / 2)  # SpecForge's
     assert r["per_position_acceptance"] == [pytest.approx(3 / 5), pytest.approx(2 / 5)]
     assert r["draft_acceptance_rate"] == pytest.approx(5 / 10)
     assert r["tokens_per_target_pass"] == pytest.approx((9 + 3) / (4 + 3))

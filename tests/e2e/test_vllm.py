@@ -57,6 +57,15 @@ def test_a_record_counts_acceptance_identity_and_target_passes_as_vllm_reports_t
     assert r["per_prompt_speedup_quartiles"][1] == pytest.approx(2.0)
     sampled = record("s", "ngram", 2, 1.0, 1.0, 2, spec, base)
     assert "greedy_identical_outputs" not in sampled and sampled["shape"] == "ngram(K=2)"
+    # batched, the counts are the call's: no request's own AL; alone, each request's: AL 2.25 and 1.0
+    assert r["acceptance_length_per_request_mean"] is None
+    alone = [
+        Completion(list(range(10)), 1.0, SpecCounts(4, 8, 5, [3, 2])),
+        Completion([5, 6, 7, 9], 1.0, SpecCounts(1, 2, 0, [0])),
+    ]
+    one = record("s", "draft", 2, 0.0, 1.0, 1, Decoded(alone, 2.0, SpecCounts(5, 10, 5, [3, 2])), base)
+    assert one["acceptance_length_per_request_mean"] == pytest.approx((2.25 + 1.0) / 2)
+    assert one["acceptance_length"] == pytest.approx(2.0)  # pooled over the 5 steps
 
 
 def test_settings_run_the_draft_at_each_k_and_ngram_at_the_first(tmp_path):
