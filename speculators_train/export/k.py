@@ -138,7 +138,8 @@ def served_k(
     report: tuple[Path, list[dict[str, Any]]] | None, k: int, force_k: bool, engine: str = "native"
 ) -> tuple[int, list[str]]:
     """(the K an export serves, notes): the measured best of the newest verify `report` on the checkpoint (made in
-    `engine`), where one recommends a smaller K than `k` (the recipe's), unless `force_k`."""
+    `engine`), where it recommends another K than `k` (the recipe's), unless `force_k`. The loop's record only
+    ever recommends a smaller K (nothing past its K was measured); an engine's may pick any K it ran."""
     found = recommended_k(report[1], k, engine) if report else None
     if report is None or found is None or found[0] == k:
         return k, []
