@@ -88,8 +88,16 @@ def serving_k(recipe: Recipe, checkpoint: Path, engine: str, asked: int, force_k
 
 
 def model_card(
-    recipe: Recipe, loaded: LoadedDraft, fmt: str, dtype: str, verifier: str, k: int, commands: list[str]
+    recipe: Recipe,
+    loaded: LoadedDraft,
+    fmt: str,
+    dtype: str,
+    verifier: str,
+    k: int,
+    commands: list[str],
+    fingerprint: dict[str, Any],
 ) -> str:
+    """The export's README; `fingerprint`: the target's revision and config hash (`origin.target_fingerprint`)."""
     family, checkpoint = loaded.family, loaded.path
     lines = [
         f"# {family.title} for {verifier}",
@@ -100,7 +108,7 @@ def model_card(
         "|---|---|",
         f"| target (verifier) | `{verifier}` |",
         f"| trained and measured against | {describe_origin(recipe.target)} |",
-        "| target revision, config hash | {revision}, {config_hash} |".format(**target_fingerprint(recipe.target)),
+        "| target revision, config hash | {revision}, {config_hash} |".format(**fingerprint),
         *(f"| {name} | {value} |" for name, value in family.card_rows(loaded.draft, fmt, k)),
         f"| dtype | {dtype} |",
         "",
@@ -289,7 +297,8 @@ def _export(
     commands, more = served_commands(recipe.target, target_config, family.settings, lines, nextn)
     notes += more
     config, weights = export_format.write(draft, dtype, verifier, architectures, k)
-    stamp_verifier(config, target_fingerprint(recipe.target))
+    fingerprint = target_fingerprint(recipe.target)
+    stamp_verifier(config, fingerprint)
     refuse_non_finite(weights, f"{loaded.path} in {dtype}")  # float16 overflows past 65504
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -308,7 +317,8 @@ def _export(
 
             AutoTokenizer.from_pretrained(source, revision=recipe.target.revision).save_pretrained(tmp)
             export_format.finish(tmp, local_config_dir(source, recipe.target.revision), dtype)
-            (tmp / "README.md").write_text(model_card(recipe, loaded, fmt, dtype, verifier, k, commands))
+            card = model_card(recipe, loaded, fmt, dtype, verifier, k, commands, fingerprint)
+            (tmp / "README.md").write_text(card)
             _replace(tmp, out)
     except OSError as exc:
         raise UserError(f"could not write the export to {out}: {exc}") from None

@@ -142,8 +142,9 @@ def generate(recipe: Recipe) -> dict[str, Any]:
     progress = Progress(out_dir / "progress" / f"rank{rank:03d}.json", identity)
     run_rank(recipe, target, splits, progress, rank, world, state.is_local_main_process, state.local_process_index)
     state.wait_for_everyone()
-    fingerprint = target_fingerprint(recipe.target)
-    manifest = _finalize(out_dir, identity, splits, world, fingerprint) if state.is_main_process else {}
+    manifest = (
+        _finalize(out_dir, identity, splits, world, target_fingerprint(recipe.target)) if state.is_main_process else {}
+    )
     state.wait_for_everyone()
     return manifest
 

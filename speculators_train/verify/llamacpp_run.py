@@ -101,7 +101,7 @@ def record(
         "top_p": 1.0,
         "prompts": len(spec),
         "acceptance_length": 1 + accepted / steps if steps else 1.0,
-        **per_request_al([1 + c.accepted / c.steps for c in spec if c.steps]),
+        **per_request_al([1 + c.accepted / c.steps if c.steps else None for c in spec]),
         "per_position_acceptance": [n / steps if steps else 0.0 for n in per_pos],
         "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
         "steps": steps,

@@ -41,11 +41,12 @@ def quartiles(values: list[float]) -> list[float]:
     return statistics.quantiles(values, n=4, method="inclusive")
 
 
-def per_request_al(values: list[float]) -> dict[str, Any]:
-    """An engine record's mean of each request's own AL (SpecForge's definition) over the requests that drafted,
-    and those ALs; None where the engine counted the requests together (a batch)."""
+def per_request_al(values: list[float | None]) -> dict[str, Any]:
+    """The mean of each request's own AL (SpecForge's definition) over the requests that drafted, and each request's
+    AL: None for one that drafted nothing, or whose counts were its batch's."""
+    known = [al for al in values if al is not None]
     return {
-        "acceptance_length_per_request_mean": sum(values) / len(values) if values else None,
+        "acceptance_length_per_request_mean": sum(known) / len(known) if known else None,
         "per_prompt_acceptance_length": values,
     }
 
@@ -74,8 +75,6 @@ def score(
         "verify": sum(g.verify_seconds for g in speculative),
     }
     phases["bookkeeping"] = max(spec_s - sum(phases.values()), 0.0)
-    per_request = [acceptance(g.accepted, k)["acceptance_length"] for g in speculative]
-    known = [al for al in per_request if al is not None]
     record = {
         "suite": suite,
         "shape": shape,
@@ -84,8 +83,7 @@ def score(
         "top_p": top_p,
         "prompts": len(speculative),
         **acceptance(accepted, k),
-        "acceptance_length_per_request_mean": sum(known) / len(known) if known else None,
-        "per_prompt_acceptance_length": per_request,
+        **per_request_al([acceptance(g.accepted, k)["acceptance_length"] for g in speculative]),
         "tokens": spec_tokens,
         "target_only_tokens_per_s": base_rate,
         "speculative_tokens_per_s": spec_rate,

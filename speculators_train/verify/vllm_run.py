@@ -131,7 +131,9 @@ def record(
         "top_p": top_p,
         "prompts": prompts,
         "acceptance_length": counts.acceptance_length,
-        **per_request_al([c.counts.acceptance_length for c in spec.completions if c.counts and c.counts.drafts]),
+        **per_request_al(
+            [c.counts.acceptance_length if c.counts and c.counts.drafts else None for c in spec.completions]
+        ),
         "per_position_acceptance": counts.per_position_rates(k),
         "draft_acceptance_rate": counts.accepted / counts.draft_tokens if counts.draft_tokens else 0.0,
         "steps": counts.drafts,
