@@ -1,4 +1,6 @@
-"""Shared fixtures: the real embedded target (SmolLM2-135M-Instruct) and real ShareGPT records."""
+"""Shared fixtures: the session's target (a tiny random-weight Llama with the embedded default's tokenizer and chat
+template, `tests.targets.TINY`), the embedded default SmolLM2-135M-Instruct for the proofs that need a trained model,
+and real ShareGPT records."""
 
 from __future__ import annotations
 
@@ -18,6 +20,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The full run: every kill window, every family under FSDP2, the whole target matrix, and the proofs on the trained
+# SmolLM2 that the default run covers with one representative each (README, "Tests").
+FULL = os.environ.get("SPECULATORS_TRAIN_FULL") == "1"
+
 
 TIERS = ("unit", "integration", "e2e")
 
@@ -32,8 +38,25 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(tier)
 
 
+def tiny_config():
+    """The `TargetConfig` of the session's default target (`tests.targets.TINY`)."""
+    from speculators_train.recipe import TargetConfig
+    from tests.targets import tiny_target
+
+    return TargetConfig(name_or_path=str(tiny_target()))
+
+
 @pytest.fixture(scope="session")
 def target():
+    from speculators_train.target import load_target
+
+    return load_target(tiny_config())
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default, SmolLM2-135M-Instruct: only for a proof that needs a trained model (its docstring says
+    why)."""
     from speculators_train.recipe import TargetConfig
     from speculators_train.target import load_target
 
@@ -106,9 +129,12 @@ def make_recipe(tmp_path: Path, sources: list[dict], **sections) -> Path:
     tmp_path.mkdir(parents=True, exist_ok=True)
     mix = tmp_path / "mix.yaml"
     mix.write_text(yaml.safe_dump({"seed": 0, "sources": sources}))
+    from tests.targets import tiny_target
+
     recipe = {
         "name": "test",
         "output_dir": str(tmp_path / "run"),
+        "target": {"name_or_path": str(tiny_target())},
         "data": {"mix": str(mix), "max_length": 128, "held_out_fraction": 0.2},
         "generation": {"storage_dtype": "float32", "samples_per_shard": 4, "max_tokens_per_batch": 512},
     }
@@ -141,7 +167,7 @@ def start_of(target_config, head: dict, freq, aux_layer_ids, name_or_path: str |
     from speculators_train.head import target_folder
     from speculators_train.recipe import TargetConfig
 
-    cfg = TargetConfig() if name_or_path is None else TargetConfig(name_or_path=name_or_path)
+    cfg = tiny_config() if name_or_path is None else TargetConfig(name_or_path=name_or_path)
     return DraftStart(target_config, target_folder(cfg), head, freq, list(aux_layer_ids))
 
 
@@ -236,6 +262,23 @@ def states(tmp_path_factory, target):
 
     sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}]
     recipe = load_recipe(make_recipe(tmp_path_factory.mktemp("states"), sources))
+    generate(recipe)
+    return recipe.hidden_states_dir
+
+
+# The target's own greedy replies in place of the records' (`data.regenerate`): what a draft that must learn to
+# accept trains on, as users train (a random-weight target's next token on someone else's text is noise to a draft).
+OWN_REPLIES = {"regenerate": {"enabled": True, "max_new_tokens": 64}}
+
+
+@pytest.fixture(scope="session")
+def own_states(tmp_path_factory, target):
+    """`states` over the target's own replies (recipes that read them set `data=OWN_REPLIES`)."""
+    from speculators_train.hidden_states.generator import generate
+    from speculators_train.recipe import load_recipe
+
+    sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}]
+    recipe = load_recipe(make_recipe(tmp_path_factory.mktemp("own-states"), sources, data=OWN_REPLIES))
     generate(recipe)
     return recipe.hidden_states_dir
 

@@ -17,8 +17,7 @@ import pytest
 
 from speculators_train.cli import main
 from tests.children import run_python
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import FULL, REPO
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str]:
@@ -110,12 +109,12 @@ def event_labels(argv: list[str], events: list[str] = ()) -> list[str]:
 
 
 def full_sweep() -> bool:
-    """SPECULATORS_TRAIN_CRASH_SWEEP=all: kill at every event (and OSD commit window), not one of each kind."""
-    return os.environ.get("SPECULATORS_TRAIN_CRASH_SWEEP") == "all"
+    """SPECULATORS_TRAIN_FULL=1: kill at every event (and OSD commit window), not one of each kind."""
+    return FULL
 
 
 def crash_windows(labels: list[str], tail: int) -> list[int]:
-    """Events (1-based) to kill at: all of them when SPECULATORS_TRAIN_CRASH_SWEEP=all, else the first of each
+    """Events (1-based) to kill at: all of them when SPECULATORS_TRAIN_FULL=1, else the first of each
     kind (label) and the last `tail` (the run's final save and validation)."""
     if full_sweep():
         return list(range(1, len(labels) + 1))

@@ -176,7 +176,7 @@ LLAMA4 = (
 
 @dataclass(frozen=True)
 class Template:
-    text: str
+    text: str | None  # None: the tokenizer's own (SmolLM2's ChatML with its default system message)
     special: tuple[str, ...]  # tokens the family's tokenizer has and SmolLM2's lacks
     eos: tuple[str, ...]  # what generation stops at (the first is the tokenizer's eos)
     bos: str | None = None
@@ -184,6 +184,7 @@ class Template:
 
 CHATML = Template(CHATML_DEFAULT_SYSTEM, (), ("<|im_end|>",))
 TEMPLATES = {
+    "smollm2": Template(None, (), ("<|im_end|>",), bos="<|im_start|>"),
     "chatml": CHATML,
     "qwen3": Template(QWEN3, ("<think>", "</think>"), ("<|im_end|>", "<|endoftext|>")),
     "llama3": Template(
@@ -231,6 +232,10 @@ class Arch:
     classes: tuple[str, ...] = ()  # what it stands for: sliding window, MoE, MLA, multimodal, ...
     vocab: int = 49280  # the head's rows: past the tokenizer's ids, as Qwen pads them
     seed: int = 0  # added to the name's seed: a random target whose greedy reply repeats one token proves little
+    # The final norm's weight: random weights give near-flat next-token distributions (top-1 about 0.001 of the mass),
+    # where a trained model's are peaked; 8 gives a median top-1 of about 0.7, so a tree's budget follows its best
+    # path as it does on a trained target. Greedy output does not change with it.
+    final_norm: float | None = None
 
 
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": WIDTH, "norm_topk_prob": True}
@@ -338,6 +343,13 @@ MATRIX = [
 ]
 BY_NAME = {arch.name: arch for arch in MATRIX}
 
+# The default test target: the embedded default's architecture class (Llama, tied head, SmolLM2's 49,152-token
+# tokenizer and chat template as shipped) at the matrix's size, with random weights. A stage on it takes a fraction of
+# what SmolLM2-135M's 30 layers take; tests keep SmolLM2 only where the proof needs a trained model.
+TINY = Arch(
+    "tiny-llama", "llama", "smollm2", {"tie_word_embeddings": True}, ("the default test target",), 49152, final_norm=8.0
+)
+
 
 # Image tokens of the multimodal wrappers: (tokens added to the tokenizer, config key -> token).
 IMAGE_TOKENS = {
@@ -420,7 +432,8 @@ def template_tokenizer(name: str, extra: tuple[str, ...] = ()):
     tokenizer.eos_token = template.eos[0]
     if template.bos:
         tokenizer.bos_token = template.bos
-    tokenizer.chat_template = template.text
+    if template.text is not None:
+        tokenizer.chat_template = template.text
     return tokenizer
 
 
@@ -466,6 +479,9 @@ def build(arch: Arch, out: Path) -> Path:
     torch.manual_seed(sum(map(ord, arch.name)) + arch.seed)
     auto = AutoModelForImageTextToText if arch.model_type in VISION_CONFIGS else AutoModelForCausalLM
     model = auto.from_config(config, dtype=torch.float32)
+    if arch.final_norm is not None:
+        with torch.no_grad():
+            model.get_decoder().norm.weight.fill_(arch.final_norm)
     generation = model.generation_config
     generation.eos_token_id, generation.bos_token_id = config.get_text_config().eos_token_id, tokenizer.bos_token_id
     generation.pad_token_id = config.get_text_config().pad_token_id
@@ -525,3 +541,19 @@ def text_decoder_folder(src: Path, out: Path) -> Path:
     model.language_model.save_pretrained(out)
     AutoTokenizer.from_pretrained(src).save_pretrained(out)
     return out
+
+
+_TINY_DIR: list[Path] = []
+
+
+def tiny_target() -> Path:
+    """TINY's model folder, built once per test session (about a second) and removed when the session ends."""
+    if not _TINY_DIR:
+        import atexit
+        import shutil
+        import tempfile
+
+        root = Path(tempfile.mkdtemp(prefix="tiny-target-"))
+        atexit.register(shutil.rmtree, root, True)
+        _TINY_DIR.append(build(TINY, root / TINY.name))
+    return _TINY_DIR[0]

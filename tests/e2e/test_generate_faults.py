@@ -31,7 +31,7 @@ def reference(tmp_path_factory):
 
 def test_kill_at_each_crash_window_then_rerun_gives_the_same_shards(tmp_path, reference, capsys):
     """Each kind of event once and the last few (the token counts and the manifest); every event with
-    SPECULATORS_TRAIN_CRASH_SWEEP=all."""
+    SPECULATORS_TRAIN_FULL=1."""
     expected, labels = reference
     recipe = make_recipe(tmp_path, SOURCES, generation=GENERATION)
     out = tmp_path / "run" / "hidden_states"

@@ -107,7 +107,7 @@ def test_gguf_export_carries_the_layer_ids_vocab_map_and_flags_llamacpp_reads(tm
         return values if len(values) > 1 else values[0]
 
     assert bytes(field("general.architecture")).decode() == "eagle3"
-    assert [v[0] for v in field("eagle3.target_layers")] == target.aux_layer_ids == [2, 15, 27]
+    assert [v[0] for v in field("eagle3.target_layers")] == target.aux_layer_ids == [2, 4, 5]
     assert field("eagle3.target_hidden_size")[0] == target.hidden_size
     assert field("eagle3.norm_before_residual")[0] is False
     tensors = {t.name: t for t in reader.tensors}

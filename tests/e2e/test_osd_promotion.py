@@ -1,5 +1,5 @@
 """OSD promotion under kill -9: an `osd` run on real logs with the real target, killed in commit windows of
-ingestion, versioning, promotion and the window commit (every one with SPECULATORS_TRAIN_CRASH_SWEEP=all), then
+ingestion, versioning, promotion and the window commit (every one with SPECULATORS_TRAIN_FULL=1), then
 rerun. At every kill `current` names a complete version; at the end every record was consumed once, every window has
 one history line, the versions on disk are exactly the committed ones, and the history is an uninterrupted run's,
 number for number (the buffer and the batches it draws are committed state, not the process's)."""
@@ -77,7 +77,7 @@ WINDOWS = [
 
 
 # The default sweep kills in the windows where a kill once broke a promise, and in the switch of `current`; each
-# window not named here is one write and rename of the same protocol (SPECULATORS_TRAIN_CRASH_SWEEP=all kills in
+# window not named here is one write and rename of the same protocol (SPECULATORS_TRAIN_FULL=1 kills in
 # every one).
 FOUND_BUGS = {
     "version_0_complete_not_served",  # the switch of `current` itself

@@ -78,7 +78,7 @@ def uninterrupted(tmp: Path, states: Path, **training) -> tuple[dict, str, list[
 
 def test_kill_at_each_crash_window_resumes_to_the_same_curve(tmp_path, states, capsys):
     """SIGKILL at one event of the run (each kind of event once, and the last four: the final checkpoint's commit;
-    every event with SPECULATORS_TRAIN_CRASH_SWEEP=all), then the same command: it finishes on the
+    every event with SPECULATORS_TRAIN_FULL=1), then the same command: it finishes on the
     uninterrupted curve, with one metrics line per step and validation, and the same best checkpoint."""
     expected, best, labels = uninterrupted(tmp_path / "reference", states, **SWEEP)
     assert {"Trainer._evaluate _stepped", "Trainer._evaluate _finish_step", "os.replace best.json"} <= set(labels)

@@ -18,7 +18,7 @@ from speculators_train.families import FAMILIES, get, settings_types
 from speculators_train.families.drafts import load_draft
 from speculators_train.recipe import load_recipe
 from speculators_train.verify.vllm_run import NGRAM, record, settings
-from tests.conftest import REPO, SHAREGPT, make_recipe
+from tests.conftest import REPO, SHAREGPT, make_recipe, tiny_config
 
 MAX_NEW = 48
 
@@ -196,12 +196,11 @@ def reference(target, tmp_path_factory):
     from speculators_train.data.chat import Chat
     from speculators_train.engines.vllm import Engine
     from speculators_train.origin import resolve_origin
-    from speculators_train.recipe import TargetConfig
     from speculators_train.verify.suites import chat_ids
     from tests.conftest import PROMPT
 
     prompt = chat_ids(Chat(target.tokenizer), PROMPT)
-    hf_dir = resolve_origin(TargetConfig())[0]
+    hf_dir = resolve_origin(tiny_config())[0]
     with Engine(hf_dir, in_process=True) as engine:
         out = engine.generate([prompt], MAX_NEW, 0.0, 1.0, [0])
     return hf_dir, prompt, out.completions[0].tokens
@@ -342,14 +341,13 @@ def test_vllm_serves_an_eagle3_draft_over_the_targets_whole_vocabulary(target, r
     weights from the target's head: the output is the point, not the acceptance."""
     from speculators_train.engines.vllm import Engine
     from speculators_train.head import load_head_weights
-    from speculators_train.recipe import TargetConfig
     from speculators_train.training.checkpoint import save_checkpoint
     from tests.conftest import start_of
 
     hf_dir, prompt, alone = reference
     family = get("eagle3")
     settings = family.settings(family="eagle3", ttt_steps=1, draft_vocab_size=target.vocab_size)
-    config, weights = load_head_weights(TargetConfig())
+    config, weights = load_head_weights(tiny_config())
     freq = torch.ones(target.vocab_size, dtype=torch.int64)
     torch.manual_seed(0)
     draft = family.new_draft(settings, start_of(config, weights, freq, target.aux_layer_ids))

@@ -23,7 +23,7 @@ from speculators_train.recipe import load_recipe
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain
 from speculators_train.verify.run import eos_ids, load_draft_for
-from tests.conftest import SHAREGPT, chat, make_recipe
+from tests.conftest import OWN_REPLIES, SHAREGPT, chat, make_recipe, tiny_config
 from tests.integration.test_families import check_parallel_sampling
 from tests.integration.test_osd_distill import fresh_draft_on_logs
 from tests.integration.test_verify import GREEDY
@@ -175,10 +175,9 @@ def test_position_weights_decay_or_follow_dpace_and_the_loss_is_their_mean(targe
     torch.testing.assert_close(dpace_weights(confidence, scored, 0.5), torch.tensor([expected]))
 
     from speculators_train.head import load_head_weights
-    from speculators_train.recipe import TargetConfig
 
     ids, aux, final = conversation
-    config, weights = load_head_weights(TargetConfig())
+    config, weights = load_head_weights(tiny_config())
     head = TargetHead.from_weights(config, weights).to(aux.device)
     mask = torch.zeros(1, len(ids), dtype=torch.bool, device=aux.device)
     mask[0, len(ids) - 24 :] = True
@@ -238,7 +237,7 @@ def test_speculators_library_loads_our_dflash_export_and_computes_the_same_logit
     assert written["transformer_layer_config"]["num_hidden_layers"] == 2
     assert not list(out.glob("*.py"))  # no code file: engines read the config as data
     tensors = load_file(out / "model.safetensors")
-    assert "embed_tokens.weight" not in tensors and tensors["lm_head.weight"].shape == (1024, 576)
+    assert "embed_tokens.weight" not in tensors and tensors["lm_head.weight"].shape == (1024, 128)
 
     config = DFlashSpeculatorConfig.from_pretrained(out)
     config.speculators_config.verifier.name_or_path = resolve_origin(recipe.target)[0]  # offline: the local copy
@@ -312,19 +311,7 @@ def test_dflash_refusals_name_what_is_wrong(tmp_path, target, draft):
         load_draft_for(target, out)
 
 
-@pytest.fixture(scope="module")
-def states(tmp_path_factory, target):
-    """This module's own states (a source named "s", 20 records)."""
-    from speculators_train.hidden_states.generator import generate
-
-    recipe = load_recipe(
-        make_recipe(tmp_path_factory.mktemp("states"), [{"name": "s", "path": SHAREGPT, "max_records": 20}])
-    )
-    generate(recipe)
-    return recipe.hidden_states_dir
-
-
-def test_a_trained_dflash_draft_beats_its_start_verifies_exactly_and_exports(tmp_path, states):
+def test_a_trained_dflash_draft_beats_its_start_verifies_exactly_and_exports(tmp_path, own_states):
     import shutil
 
     from speculators_train.training.trainer import Trainer
@@ -335,12 +322,13 @@ def test_a_trained_dflash_draft_beats_its_start_verifies_exactly_and_exports(tmp
     train = {"epochs": 6, "batch_size": 1, "learning_rate": 1e-3, "warmup_ratio": 0.0, "wandb": {"mode": "disabled"}}
     path = make_recipe(
         tmp_path,
-        [{"name": "s", "path": SHAREGPT, "max_records": 20}],
+        [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}],
         draft=dflash,
+        data=OWN_REPLIES,
         training=train,
         eval={"num_speculative_tokens": 3, "num_prompts": 2, "max_new_tokens": 16},
     )
-    shutil.copytree(states, tmp_path / "run" / "hidden_states")
+    shutil.copytree(own_states, tmp_path / "run" / "hidden_states")
     recipe = load_recipe(path)
     trainer = Trainer(recipe)
     before = trainer.validate()

@@ -13,7 +13,7 @@ from speculators_train.doctor.report import Check
 from speculators_train.doctor.run import DoctorOptions, doctor
 from speculators_train.export.run import export
 from speculators_train.recipe import load_recipe
-from tests.conftest import SHAREGPT, make_recipe
+from tests.conftest import SHAREGPT, make_recipe, tiny_config
 
 VERIFIER = "verifier: training states and export against the target now"
 
@@ -153,7 +153,6 @@ def test_a_vocabulary_without_the_targets_tokens_is_a_ceiling_named_with_its_sha
     not use) can accept nothing where the next token is outside it."""
     from speculators_train.families import get
     from speculators_train.head import load_head_weights
-    from speculators_train.recipe import TargetConfig
     from speculators_train.training.checkpoint import save_checkpoint
     from tests.conftest import start_of
 
@@ -161,7 +160,7 @@ def test_a_vocabulary_without_the_targets_tokens_is_a_ceiling_named_with_its_sha
     family = get("eagle3")
     freq = torch.zeros(target.vocab_size, dtype=torch.int64)
     freq[-512:] = 1
-    config, weights = load_head_weights(TargetConfig())
+    config, weights = load_head_weights(tiny_config())
     settings = family.settings(family="eagle3", norm_output=True, **family.settings.small.settings)
     draft = family.new_draft(settings, start_of(config, weights, freq, target.aux_layer_ids))
     checkpoint = save_checkpoint(tmp_path / "ckpt", 1, draft, None, {"step": 1}, keep_last=1)
@@ -323,14 +322,13 @@ def test_a_vocabulary_from_other_token_counts_than_the_training_states_warns(cas
     from speculators_train.families.drafts import load_draft
     from speculators_train.head import load_head_weights
     from speculators_train.hidden_states.shards import read_manifest, read_token_freq
-    from speculators_train.recipe import TargetConfig
     from speculators_train.training.checkpoint import save_checkpoint
     from tests.conftest import start_of
 
     recipe, fitted_checkpoint, _ = case
     freq = read_token_freq(states, read_manifest(states))
     family = get("eagle3")
-    config, weights = load_head_weights(TargetConfig())
+    config, weights = load_head_weights(tiny_config())
     settings = family.settings(family="eagle3", **family.settings.small.settings)
     draft = family.new_draft(settings, start_of(config, weights, freq, target.aux_layer_ids))
     counted = save_checkpoint(tmp_path / "ckpt", 1, draft, None, {"step": 1}, keep_last=1)

@@ -1,6 +1,6 @@
 """Hostile-input catalogue: damaged or hostile drafts, checkpoints and target directories.
 
-Each case damages a copy of a valid directory (built once per module for the real SmolLM2 target) and runs the
+Each case damages a copy of a valid directory (built once per module for the session target) and runs the
 CLI on it: `export --checkpoint` reads every draft format and checkpoint, `verify` and `train` the same loader from
 their own entries. Every one must end in one `error:` line naming the file and the key or tensor at fault (exit 2),
 never a traceback, and never a draft accepted with weights or maps its engine would misread.
@@ -29,13 +29,13 @@ from speculators_train.families.medusa.model import MedusaDraft
 from speculators_train.families.vocab import build_vocab_mapping
 from speculators_train.head import load_head_weights
 from speculators_train.origin import resolve_origin
-from speculators_train.recipe import TargetConfig, load_recipe
+from speculators_train.recipe import load_recipe
 from speculators_train.training.checkpoint import save_checkpoint
-from tests.conftest import SHAREGPT, make_recipe
+from tests.conftest import SHAREGPT, make_recipe, tiny_config
 from tests.faults import clean_error, mount_tmpfs, run_cli
 
 DRAFT_VOCAB = 64
-TARGET_LAYERS = 30  # SmolLM2-135M
+TARGET_LAYERS = 8  # the session target, tests.targets.TINY
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +45,12 @@ def base(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("base")
     recipe_path = make_recipe(root / "recipe", [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}])
     recipe = load_recipe(recipe_path)
-    config, head = load_head_weights(TargetConfig())
+    config, head = load_head_weights(tiny_config())
     torch.manual_seed(0)
     freq = torch.zeros(config.vocab_size)
     freq[torch.randperm(config.vocab_size)[:DRAFT_VOCAB]] = 1
     d2t, t2d = build_vocab_mapping(freq, DRAFT_VOCAB)
-    eagle = Eagle3Draft(Eagle3Config.for_target(config, [2, 15, 27], DRAFT_VOCAB, False))
+    eagle = Eagle3Draft(Eagle3Config.for_target(config, [2, 4, 5], DRAFT_VOCAB, False))
     medusa = MedusaDraft.for_target(config, torch.randn(DRAFT_VOCAB, config.hidden_size), d2t, t2d, 2, 1)
     with torch.no_grad():
         eagle.d2t.copy_(d2t)
@@ -76,7 +76,7 @@ def base(tmp_path_factory) -> dict[str, Path]:
 def test_every_undamaged_base_loads_and_fits_the_target(base, kind):
     """The control: each case below fails through its damage alone."""
     loaded = load_draft(base[kind], TARGET_LAYERS)
-    check_fits(loaded, 576, 49152, TARGET_LAYERS)
+    check_fits(loaded, 128, 49152, TARGET_LAYERS)
 
 
 # -- how a case damages its copy ----------------------------------------------------------------------------------
@@ -215,7 +215,7 @@ CASES = [
     Case(
         "spec-weights-a-tensor-in-two-files",
         "spec",
-        lambda d: save_file({"fc.weight": torch.zeros(576, 1728)}, d / "extra.safetensors"),
+        lambda d: save_file({"fc.weight": torch.zeros(128, 384)}, d / "extra.safetensors"),
         "",
         ("['fc.weight'] also in another .safetensors file",),
     ),
@@ -300,7 +300,7 @@ CASES = [
         "ckpt",
         draft_config("layer_config.num_attention_heads", 0),
         "draft_config.json",
-        ("layer_config.num_attention_heads must be in 1..576, got 0",),
+        ("layer_config.num_attention_heads must be in 1..128, got 0",),
     ),
     Case(
         "ckpt-heads-not-dividing-hidden",
@@ -311,7 +311,7 @@ CASES = [
             draft_config("layer_config.num_key_value_heads", 1),
         ),
         "draft_config.json",
-        ("layer_config.num_attention_heads 7 must divide layer_config.hidden_size 576",),
+        ("layer_config.num_attention_heads 7 must divide layer_config.hidden_size 128",),
     ),
     Case(
         "ckpt-kv-heads-not-dividing-heads",
@@ -457,16 +457,16 @@ CASES = [
     Case(
         "ckpt-shape-mismatch",
         "ckpt",
-        put("fc.weight", lambda t: torch.zeros(576, 1152)),
+        put("fc.weight", lambda t: torch.zeros(128, 256)),
         WEIGHTS,
-        ("weights do not fit draft_config.json", "fc.weight has shape [576, 1152], expected [576, 1728]"),
+        ("weights do not fit draft_config.json", "fc.weight has shape [128, 256], expected [128, 384]"),
     ),
     Case(
         "ckpt-config-wider-than-its-weights",
         "ckpt",
         draft_config("target_hidden_size", 1024),
         WEIGHTS,
-        ("fc.weight has shape [576, 1728], expected [576, 3072]",),
+        ("fc.weight has shape [128, 384], expected [128, 3072]",),
     ),
     Case("ckpt-missing-tensor", "ckpt", drop("lm_head.weight"), WEIGHTS, ("missing lm_head.weight",)),
     Case(
@@ -615,7 +615,7 @@ CASES = [
         "spec",
         put("layers.0.mlp.down_proj.weight", lambda t: t[:, :100]),
         WEIGHTS,
-        ("layers.0.mlp.down_proj.weight has shape [576, 100], expected [576, 1536]",),
+        ("layers.0.mlp.down_proj.weight has shape [128, 100], expected [128, 256]",),
     ),
     # -- the SGLang format
     Case(
@@ -630,14 +630,14 @@ CASES = [
         "sglang",
         export_config("num_attention_heads", 0),
         "config.json",
-        ("num_attention_heads must be in 1..576, got 0",),
+        ("num_attention_heads must be in 1..128, got 0",),
     ),
     Case(
         "sglang-shape-mismatch",
         "sglang",
         put("midlayer.self_attn.q_proj.weight", lambda t: t[:10]),
         WEIGHTS,
-        ("midlayer.self_attn.q_proj.weight has shape [10, 1152], expected [576, 1152]",),
+        ("midlayer.self_attn.q_proj.weight has shape [10, 256], expected [128, 256]",),
     ),
     Case(
         "sglang-architectures-a-number",
@@ -878,7 +878,7 @@ LATE = {
 
 def target_recipe(tmp_path: Path, files: dict[str, Any]) -> tuple[Path, Path]:
     """(a recipe whose target is a directory of `files`, that directory)."""
-    real = Path(resolve_origin(TargetConfig())[0])
+    real = Path(resolve_origin(tiny_config())[0])
     target = tmp_path / "target"
     written = {}
     for name, content in files.items():
@@ -926,7 +926,7 @@ def test_a_damaged_gguf_target_is_refused_in_one_line(tmp_path, capsys, base, co
 
 def test_a_target_config_naming_fewer_layers_than_its_weights_is_refused(tmp_path, capsys, base):
     """transformers loads such a target truncated (and says so only in a log line): it would be used silently."""
-    config = json.loads((Path(resolve_origin(TargetConfig())[0]) / "config.json").read_text())
+    config = json.loads((Path(resolve_origin(tiny_config())[0]) / "config.json").read_text())
     config["num_hidden_layers"] -= 2
     files = {**TOKENIZER, "config.json": json.dumps(config), "model.safetensors": REAL}
     recipe, target = target_recipe(tmp_path, files)
@@ -937,7 +937,7 @@ def test_a_target_config_naming_fewer_layers_than_its_weights_is_refused(tmp_pat
 
 
 def test_a_target_tokenizer_without_a_chat_template_is_refused_by_verify(tmp_path, capsys, base):
-    real = Path(resolve_origin(TargetConfig())[0])
+    real = Path(resolve_origin(tiny_config())[0])
     tokenizer_config = json.loads((real / "tokenizer_config.json").read_text())
     tokenizer_config.pop("chat_template", None)
     files = {

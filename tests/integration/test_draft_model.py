@@ -11,16 +11,15 @@ from speculators_train.errors import UserError
 from speculators_train.families import get
 from speculators_train.head import TargetHead, load_head_weights
 from speculators_train.proposal import Sampling, TreeSpec
-from speculators_train.recipe import TargetConfig
 from speculators_train.training.data import collate
 from speculators_train.verify.decoder import SpeculativeDecoder
 from speculators_train.verify.run import eos_ids
-from tests.conftest import start_of
+from tests.conftest import start_of, tiny_config
 
 
 @pytest.fixture(scope="module")
 def head_weights():
-    return load_head_weights(TargetConfig())
+    return load_head_weights(tiny_config())
 
 
 def new_draft(head_weights, **settings):
@@ -30,7 +29,7 @@ def new_draft(head_weights, **settings):
 
 
 def test_a_draft_that_is_the_whole_target_matches_its_distribution_at_every_position(target, head_weights, prompts):
-    """All 30 layers kept: the draft is the target, so the divergence is zero and its top-1 is always the
+    """Every layer kept: the draft is the target, so the divergence is zero and its top-1 is always the
     target's, which holds only if position t of the draft is scored against the target's state at t."""
     family, draft = new_draft(head_weights, layers=list(range(target.num_layers)))
     ids = torch.tensor(prompts[0])
@@ -113,8 +112,8 @@ def test_a_trees_best_path_is_the_greedy_chain_whatever_its_siblings(target, hea
 
 
 def test_layers_the_target_does_not_have_are_refused(head_weights):
-    with pytest.raises(UserError, match=r"draft\.layers \[0, 30\]: the target has 30 layers"):
-        new_draft(head_weights, layers=[0, 30])
+    with pytest.raises(UserError, match=r"draft\.layers \[0, 8\]: the target has 8 layers"):
+        new_draft(head_weights, layers=[0, 8])
 
 
 def test_a_cut_config_keeps_each_kept_layers_kind_and_renumbers_layer_id_lists():

@@ -17,7 +17,7 @@ from speculators_train.recipe import load_recipe
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain
 from speculators_train.verify.run import eos_ids, load_draft_for
-from tests.conftest import SHAREGPT, chat, make_recipe
+from tests.conftest import OWN_REPLIES, SHAREGPT, chat, make_recipe, tiny_config
 from tests.integration import test_dflash
 from tests.integration.test_dflash import MASK_ID, randomized, their_backbone
 from tests.integration.test_verify import GREEDY
@@ -195,7 +195,9 @@ def test_dspark_refusals_name_what_is_wrong(tmp_path, target):
             load_draft_for(target, out)
 
 
-def test_a_trained_dspark_draft_beats_its_start_predicts_its_acceptance_verifies_exactly_and_exports(tmp_path, states):
+def test_a_trained_dspark_draft_beats_its_start_predicts_its_acceptance_verifies_exactly_and_exports(
+    tmp_path, own_states
+):
     """What only this proves: the Markov and confidence heads train with the backbone through the trainer (the
     confidence head's error against the analytical acceptance falls), and verify and export take the result."""
     import shutil
@@ -216,10 +218,11 @@ def test_a_trained_dspark_draft_beats_its_start_predicts_its_acceptance_verifies
         tmp_path,
         [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}],
         draft=dspark,
+        data=OWN_REPLIES,
         training=train,
         eval={"num_speculative_tokens": 4, "num_prompts": 2, "max_new_tokens": 16, "draft_p_min": 0.05},
     )
-    shutil.copytree(states, tmp_path / "run" / "hidden_states")
+    shutil.copytree(own_states, tmp_path / "run" / "hidden_states")
     recipe = load_recipe(path)
     trainer = Trainer(recipe)
     before = trainer.validate()
@@ -245,12 +248,11 @@ def test_a_full_vocabulary_block_draft_keeps_the_targets_head_which_speculators_
 
     from speculators_train.head import load_head_weights
     from speculators_train.origin import resolve_origin
-    from speculators_train.recipe import TargetConfig
     from tests.conftest import start_of
 
     fam = get(family)
     settings = fam.settings(family=family, **{**fam.settings.small.settings, "draft_vocab_size": target.vocab_size})
-    config, weights = load_head_weights(TargetConfig())
+    config, weights = load_head_weights(tiny_config())
     draft = fam.new_draft(settings, start_of(config, weights, torch.ones(target.vocab_size), target.aux_layer_ids))
     assert not draft.lm_head.weight.requires_grad
     assert torch.equal(draft.lm_head.weight, target.lm_head.weight.to(draft.lm_head.weight.dtype).cpu())

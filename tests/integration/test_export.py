@@ -1,6 +1,6 @@
 """Exports proven by the clients that read them: the `speculators` library's own Eagle3DraftModel on our
 speculators-format export, SGLang's LlamaForCausalLMEagle3 loading rules on our SGLang export, and the round trip
-export -> import -> speculative decoding with the real SmolLM2 target."""
+export -> import -> speculative decoding with the session target."""
 
 import json
 
@@ -25,9 +25,9 @@ from tests.conftest import QUESTIONS, SHAREGPT, chat, make_recipe
 
 
 def random_draft(target, **norms: bool) -> Eagle3Draft:
-    """The real EAGLE-3 architecture for SmolLM2 with random weights and a 1024-id vocabulary of scattered ids
-    (so d2t offsets are not all equal); random weights make every weight matter to the drafted tokens. `norms`:
-    EAGLE-3.1's norm_before_fc / norm_output."""
+    """The real EAGLE-3 architecture for the session target with random weights and a 1024-id vocabulary of
+    scattered ids (so d2t offsets are not all equal); random weights make every weight matter to the drafted tokens.
+    `norms`: EAGLE-3.1's norm_before_fc / norm_output."""
     torch.manual_seed(0)
     config = Eagle3Config.for_target(target.config, target.aux_layer_ids, 1024, False, **norms)
     model = Eagle3Draft(config)
@@ -72,9 +72,7 @@ def test_speculators_library_loads_our_export_and_computes_the_same_draft_logits
     checkpoint = save_checkpoint(tmp_path / "ckpt", 1, draft, None, {"step": 1}, keep_last=1)
     out = export(recipe, checkpoint, "speculators", tmp_path / "spec", "float32").path
     config = Eagle3SpeculatorConfig.from_pretrained(out)
-    assert config.speculators_config.verifier.name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    # Tests are offline: point the verifier at the local copy of the same target instead of the hub id.
-    config.speculators_config.verifier.name_or_path = resolve_origin(recipe.target)[0]
+    assert config.speculators_config.verifier.name_or_path == resolve_origin(recipe.target)[0]
     config.transformer_layer_config._attn_implementation = "sdpa"
     theirs = Eagle3DraftModel.from_pretrained(out, config=config).eval()
 
@@ -238,13 +236,13 @@ def test_export_against_another_target_names_the_mismatch_and_never_overwrites_w
     small = save_checkpoint(
         tmp_path / "a", 1, Eagle3Draft(Eagle3Config.for_target(other, [1, 2, 3], 64, False)), None, {}, 1
     )
-    with pytest.raises(UserError, match=r"hidden size: draft 64, target 576; vocab size: draft 32000, target 49152"):
+    with pytest.raises(UserError, match=r"hidden size: draft 64, target 128; vocab size: draft 32000, target 49152"):
         export(recipe, small, "speculators", tmp_path / "x")
     deeper = LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": 32})
     deep = save_checkpoint(
         tmp_path / "b", 1, Eagle3Draft(Eagle3Config.for_target(deeper, [2, 16, 29], 64, False)), None, {}, 1
     )
-    with pytest.raises(UserError, match=r"layer count: draft trained on 32, target has 30"):
+    with pytest.raises(UserError, match=r"layer count: draft trained on 32, target has 8"):
         export(recipe, deep, "speculators", tmp_path / "x")
 
     out = tmp_path / "x"
@@ -273,11 +271,11 @@ def test_export_command_prints_the_serve_line_and_the_card_reports_measured_acce
         main(argv)
     assert exit_code.value.code == 0
     printed = capsys.readouterr().out
-    assert "python -m sglang.launch_server --model-path HuggingFaceTB/SmolLM2-135M-Instruct" in printed
+    assert f"python -m sglang.launch_server --model-path {recipe.target.name_or_path}" in printed
     assert f"--speculative-draft-model-path {out} --speculative-num-steps 5" in printed
     card = (out / "README.md").read_text()
     assert "| sharegpt-held-out | chain(K=5) | 0.0 | 2.25 | 1.50x |" in card
-    assert "written as [1, 14, 26] in `eagle_config`" in card
+    assert "written as [1, 3, 4] in `eagle_config`" in card
     with pytest.raises(SystemExit) as exit_code:
         main(argv)  # the directory exists now
     assert exit_code.value.code == 2

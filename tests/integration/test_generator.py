@@ -61,7 +61,7 @@ def generated(states):
 def test_stored_states_equal_an_independent_transformers_forward(generated, target):
     recipe, manifest = generated
     h, ids_ = target.hidden_size, manifest["identity"]["aux_layer_ids"]
-    assert ids_ == [2, 15, 27] and manifest["identity"]["final_state"] == "pre_norm"
+    assert ids_ == [2, 4, 5] and manifest["identity"]["final_state"] == "pre_norm"
     samples = HiddenStateShards(recipe.hidden_states_dir, "train")
     assert len(samples) == manifest["splits"]["train"]["samples"] > 10
     for sample in samples:
@@ -152,7 +152,7 @@ def test_rerun_of_complete_output_is_a_no_op_and_other_settings_refuse_to_mix(ge
     other = recipe.model_copy(update={"target": recipe.target.model_copy(update={"aux_layer_ids": [1, 2, 3]})})
     other._source_path = recipe.source_path
     with pytest.raises(
-        UserError, match=r"refusing to mix them:\n  aux_layer_ids: \[2, 15, 27\] there, \[1, 2, 3\] now"
+        UserError, match=r"refusing to mix them:\n  aux_layer_ids: \[2, 4, 5\] there, \[1, 2, 3\] now"
     ):
         generate(other)
 

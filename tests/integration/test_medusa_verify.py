@@ -1,4 +1,4 @@
-"""Medusa heads in the verify loop and in export, with the real SmolLM2 target on real prompts: greedy output is
+"""Medusa heads in the verify loop and in export, with the session target on real prompts: greedy output is
 the target's own in chain and both tree modes, the heads read the state of the last accepted position, sampled
 proposals come from the distributions they report, and an export reloads (ours and vLLM's naming) to the same
 proposals."""
@@ -30,8 +30,8 @@ HEADS = 3
 
 @pytest.fixture(scope="module")
 def heads(target):
-    """Real Medusa heads for SmolLM2: lm_heads from the target's rows of 2048 scattered ids plus noise, random
-    blocks, so every weight changes the proposals."""
+    """Real Medusa heads for the session target: lm_heads from the target's rows of 2048 scattered ids plus noise,
+    random blocks, so every weight changes the proposals."""
     torch.manual_seed(0)
     freq = torch.zeros(target.vocab_size)
     freq[torch.randperm(target.vocab_size)[:2048]] = 1
@@ -164,7 +164,7 @@ def test_medusa_export_is_the_vllm_medusa_format_and_reloads_to_the_same_proposa
     # What vLLM's Medusa model reads, and the speculators-style fields.
     assert config["architectures"] == ["MedusaModel"] and config["model_type"] == "medusa"
     assert (config["hidden_size"], config["vocab_size"], config["num_heads"], config["num_hidden_layers"]) == (
-        576,
+        128,
         49152,
         HEADS,
         1,
@@ -173,7 +173,7 @@ def test_medusa_export_is_the_vllm_medusa_format_and_reloads_to_the_same_proposa
     assert config["truncated_vocab_size"] == 49152 and config["medusa_fc_bias"] is True
     assert config["speculators_model_type"] == "medusa"
     spec = config["speculators_config"]
-    assert spec["algorithm"] == "medusa" and spec["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert spec["algorithm"] == "medusa" and spec["verifier"]["name_or_path"] == target.name_or_path
     assert spec["proposal_methods"][0]["speculative_tokens"] == HEADS  # K=5 asked, one token per head
     assert '"method": "medusa"' in result.commands[0] and '"num_speculative_tokens": 3' in result.commands[0]
     weights = load_file(result.path / "model.safetensors")
@@ -181,10 +181,10 @@ def test_medusa_export_is_the_vllm_medusa_format_and_reloads_to_the_same_proposa
     params = {f"blocks.{h}.layers.0.{p}" for h in range(HEADS) for p in ("weight", "bias")}
     params |= {f"lm_heads.{h}.weight" for h in range(HEADS)}
     assert set(weights) == params | {"token_map"}
-    assert weights["lm_heads.0.weight"].shape == (49152, 576)  # = truncated_vocab_size rows: vLLM does not slice
+    assert weights["lm_heads.0.weight"].shape == (49152, 128)  # = truncated_vocab_size rows: vLLM does not slice
     assert weights["token_map"].dtype == torch.int64
     assert weights["token_map"].tolist() == draft_to_target(heads.d2t).tolist()
-    assert "# Medusa heads for HuggingFaceTB/SmolLM2-135M-Instruct" in (result.path / "README.md").read_text()
+    assert f"# Medusa heads for {target.name_or_path}" in (result.path / "README.md").read_text()
 
     loaded = load_draft_for(target, result.path)
     imported = loaded.draft
@@ -206,11 +206,11 @@ def test_a_vllm_medusa_directory_made_elsewhere_loads(tmp_path, target, prompts,
     weights = {f"medusa_heads.blocks.{h}.layers.0.weight": heads.blocks[h].layers[0].weight for h in range(HEADS)}
     weights["medusa_heads.lm_heads.0.weight"] = lm_head
     save_file({k: v.contiguous() for k, v in weights.items()}, tmp_path / "model.safetensors")
-    config = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": 576, "vocab_size": 49152}
+    config = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": 128, "vocab_size": 49152}
     config.update(num_heads=HEADS, num_hidden_layers=1, truncated_vocab_size=49152, original_lm_head=True)
     (tmp_path / "config.json").write_text(json.dumps(config))
     imported = load_draft_for(target, tmp_path).draft
-    hidden = torch.randn(576)
+    hidden = torch.randn(128)
     with torch.no_grad():
         block = heads.blocks[1].layers[0]
         expected = lm_head @ (hidden + torch.nn.functional.silu(block.weight @ hidden))

@@ -13,8 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from speculators_train.folders import check_model_folder, config_problem
 from speculators_train.origin import resolve_origin
-from speculators_train.recipe import TargetConfig
-from tests.conftest import SHAREGPT, make_recipe
+from tests.conftest import SHAREGPT, make_recipe, tiny_config
 from tests.faults import clean_error
 from tests.targets import BY_NAME, build
 
@@ -24,7 +23,7 @@ SOURCES = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]
 def folder(tmp_path: Path, config: dict | None = None, tokenizer: dict | None = None, weights: str = "safetensors"):
     """A model folder with the default target's config and tokenizer (keys changed by `config`, `tokenizer`) and
     weights of the kind named: `safetensors` (the real file, linked), `pickle` (a `pytorch_model.bin` alone)."""
-    real = Path(resolve_origin(TargetConfig())[0])
+    real = Path(resolve_origin(tiny_config())[0])
     out = tmp_path / "elsewhere"
     out.mkdir()
     for name, changes in (("config.json", config), ("tokenizer_config.json", tokenizer)):

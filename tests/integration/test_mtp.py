@@ -9,7 +9,7 @@ from speculators_train.head import load_head_weights
 from speculators_train.proposal import Sampling
 from speculators_train.recipe import TargetConfig
 from speculators_train.verify.decoder import decode_plain
-from tests.conftest import chat, start_of
+from tests.conftest import chat, start_of, tiny_config
 from tests.integration.test_verify import GREEDY
 
 
@@ -18,7 +18,7 @@ def head_and_conversation(target):
     """A random MTP head (its block far from zero, so a wrong position or input shows) and a prompt with the
     target's reply: (draft, ids, pre-norm final states [L, H])."""
     family = get("mtp")
-    config, weights = load_head_weights(TargetConfig())
+    config, weights = load_head_weights(tiny_config())
     torch.manual_seed(0)
     draft = family.new_draft(family.settings(family="mtp"), start_of(config, weights, torch.ones(1), []))
     with torch.no_grad():

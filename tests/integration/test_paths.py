@@ -16,9 +16,8 @@ import torch
 from speculators_train import families
 from speculators_train.cli import main
 from speculators_train.head import load_head_weights
-from speculators_train.recipe import TargetConfig
 from speculators_train.training.checkpoint import save_checkpoint
-from tests.conftest import SHAREGPT, make_recipe, start_of
+from tests.conftest import SHAREGPT, make_recipe, start_of, tiny_config
 from tests.faults import clean_error, run_cli
 
 
@@ -27,11 +26,11 @@ def run(tmp_path_factory) -> tuple[Path, Path]:
     """(recipe, run directory): an EAGLE-3 checkpoint in train/checkpoints and a file standing for stored states."""
     root = tmp_path_factory.mktemp("paths")
     recipe = make_recipe(root, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}])
-    config, head = load_head_weights(TargetConfig())
+    config, head = load_head_weights(tiny_config())
     family = families.get("eagle3")
     settings = family.settings(family="eagle3", draft_vocab_size=64)
     torch.manual_seed(0)
-    draft = family.new_draft(settings, start_of(config, head, torch.ones(config.vocab_size), [2, 15, 27]))
+    draft = family.new_draft(settings, start_of(config, head, torch.ones(config.vocab_size), [2, 4, 5]))
     save_checkpoint(root / "run" / "train" / "checkpoints", 1, draft, None, {"step": 1}, keep_last=1)
     (root / "run" / "hidden_states").mkdir()
     (root / "run" / "hidden_states" / "manifest.json").write_text("{}")

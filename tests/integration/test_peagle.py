@@ -22,7 +22,7 @@ from speculators_train.recipe import load_recipe
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain
 from speculators_train.verify.run import eos_ids, load_draft_for
-from tests.conftest import SHAREGPT, chat, make_recipe
+from tests.conftest import SHAREGPT, chat, make_recipe, tiny_config
 from tests.integration.test_families import check_parallel_sampling
 from tests.integration.test_osd_distill import fresh_draft_on_logs
 from tests.integration.test_verify import GREEDY
@@ -166,10 +166,9 @@ def test_one_proposer_forward_drafts_what_training_scores_at_the_same_anchor(tar
 def test_the_loss_is_the_mean_over_every_scored_element_of_every_depth(target, draft, conversation):
     """No per-depth weight and one count for all depths: loss = sum of per-element divergences / their count."""
     from speculators_train.head import load_head_weights
-    from speculators_train.recipe import TargetConfig
 
     ids, aux = conversation
-    config, weights = load_head_weights(TargetConfig())
+    config, weights = load_head_weights(tiny_config())
     head = TargetHead.from_weights(config, weights)
     _, final = target.hidden_states(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
     mask = torch.zeros(1, len(ids), dtype=torch.bool)

@@ -1,4 +1,5 @@
-"""Target loading and the layer-id convention, on the real SmolLM2 target."""
+"""Target loading and the layer-id convention, on the session target (the embedded default's architecture, tiny),
+and the embedded default SmolLM2 itself where the GGUF it ships is the subject."""
 
 import os
 
@@ -9,11 +10,12 @@ from speculators_train.errors import UserError
 from speculators_train.origin import NAMED_TARGETS, _package_dir, resolve_origin
 from speculators_train.recipe import TargetConfig
 from speculators_train.target import default_aux_layer_ids, load_target
+from tests.conftest import tiny_config
 
 
 def test_exposes_shape_template_and_default_ids(target):
-    assert (target.num_layers, target.hidden_size, target.vocab_size) == (30, 576, 49152)
-    assert target.aux_layer_ids == [2, 15, 27]
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (8, 128, 49152)
+    assert target.aux_layer_ids == [2, 4, 5]
     assert "<|im_start|>" in target.chat_template
     assert target.dtype == torch.float32 and target.device.type == "cpu"
 
@@ -39,19 +41,20 @@ def test_aux_states_are_hf_hidden_states_at_recorded_ids_and_final_is_pre_norm(t
 def test_layer_id_zero_is_the_embeddings(target):
     from speculators_train.target import Target
 
-    t0 = Target(target.model, target.tokenizer, "x", None, [0, 29], target.device)
+    t0 = Target(target.model, target.tokenizer, "x", None, [0, 7], target.device)
     ids = torch.tensor([[1, 4093, 198, 6004, 2]])
     aux, _ = t0.hidden_states(ids, None)
     with torch.no_grad():
         ref = target.model(ids, output_hidden_states=True).hidden_states
-    torch.testing.assert_close(aux[..., :576], target.embed_tokens(ids))
-    torch.testing.assert_close(aux[..., 576:], ref[29])
+    h = target.hidden_size
+    torch.testing.assert_close(aux[..., :h], target.embed_tokens(ids))
+    torch.testing.assert_close(aux[..., h:], ref[7])
 
 
 def test_out_of_range_layer_ids_are_refused():
-    # id 30 (after the last layer) is excluded too: engines capture aux states below N.
-    with pytest.raises(UserError, match=r"aux_layer_ids: \[30\] out of range for a target with 30 layers"):
-        load_target(TargetConfig(aux_layer_ids=[2, 30]))
+    # id 8 (after the last layer) is excluded too: engines capture aux states below N.
+    with pytest.raises(UserError, match=r"aux_layer_ids: \[8\] out of range for a target with 8 layers"):
+        load_target(TargetConfig(name_or_path=tiny_config().name_or_path, aux_layer_ids=[2, 8]))
 
 
 @pytest.mark.parametrize("num_layers", [1, 3, 4, 6])
@@ -62,6 +65,7 @@ def test_a_target_too_shallow_for_the_default_aux_ids_is_told_to_set_them(num_la
 
 
 def test_gguf_is_converted_once_and_reused():
+    """The embedded default's own GGUF file: the conversion every SmolLM2 run (the demo) reads."""
     named = NAMED_TARGETS["smollm2-135m-instruct"]
     first, hub = resolve_origin(TargetConfig())
     stamp = os.stat(f"{first}/config.json").st_mtime_ns
@@ -88,7 +92,8 @@ def test_directory_without_config_is_refused(tmp_path):
         resolve_origin(TargetConfig(name_or_path=str(tmp_path)))
 
 
-def test_cached_copy_gives_the_same_logits_as_the_gguf(target):
+def test_cached_copy_gives_the_same_logits_as_the_gguf(smollm2):
+    """The embedded default's GGUF file against its dequantised copy: only SmolLM2 ships as GGUF."""
     from transformers import AutoModelForCausalLM
 
     named = NAMED_TARGETS["smollm2-135m-instruct"]
@@ -97,7 +102,7 @@ def test_cached_copy_gives_the_same_logits_as_the_gguf(target):
     )
     ids = torch.tensor([[1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198]])
     with torch.no_grad():
-        torch.testing.assert_close(target.model(ids).logits, gguf(ids).logits, rtol=0, atol=0)
+        torch.testing.assert_close(smollm2.model(ids).logits, gguf(ids).logits, rtol=0, atol=0)
 
 
 SMALL = {

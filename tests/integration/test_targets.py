@@ -5,13 +5,12 @@ A target here is 8 layers, 128 wide: a stage on it takes seconds, so the CLI run
 matrix proves per target: the stored states are the model's own, the training head gives its logits, the verify loop
 decodes exactly as transformers does (drafts accepted and rejected, chain and tree, across sliding windows), and
 every stage runs for every family. CI runs the first on every target and the rest on one target per class
-(`CI_STAGES`, `DECODE_CLASSES`); SPECULATORS_TRAIN_MATRIX=all runs the whole cross product (about 25 minutes here).
+(`CI_STAGES`, `DECODE_CLASSES`); SPECULATORS_TRAIN_FULL=1 runs the whole cross product (about 25 minutes here).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -19,11 +18,10 @@ import pytest
 import torch
 
 from speculators_train.cli import main
-from tests.conftest import SHAREGPT, make_recipe
+from tests.conftest import FULL, SHAREGPT, make_recipe
 from tests.targets import BY_NAME, MATRIX, build
 
 FAMILIES = ("eagle3", "peagle", "dflash", "medusa", "mlp", "draft_model", "mtp")
-EVERYTHING = os.environ.get("SPECULATORS_TRAIN_MATRIX") == "all"
 # CI's share of the stage matrix: a target per class (MoE + sliding window + sinks, a multimodal wrapper, MLA, hybrid
 # linear attention) with EAGLE-3, the draft model on the ones whose layers differ in kind, every family on gpt-oss.
 CI_STAGES = {
@@ -52,7 +50,7 @@ def combos() -> list[tuple[str, str]]:
         (arch.name, family)
         for arch in MATRIX
         for family in FAMILIES
-        if EVERYTHING or family in CI_STAGES.get(arch.name, ())
+        if FULL or family in CI_STAGES.get(arch.name, ())
     ]
 
 
@@ -227,7 +225,7 @@ DECODE_CLASSES = ("gemma3-text", "llama4", "deepseek-v3")
 
 
 def decoded_targets() -> list[str]:
-    return [a.name for a in MATRIX if a.name not in NO_LOOP and (EVERYTHING or a.name in DECODE_CLASSES)]
+    return [a.name for a in MATRIX if a.name not in NO_LOOP and (FULL or a.name in DECODE_CLASSES)]
 
 
 @pytest.mark.parametrize("name", decoded_targets())

@@ -1,4 +1,4 @@
-"""The verify loop with the real SmolLM2 target on real prompts: exactness, cache bookkeeping, EOS/limits, scoring."""
+"""The verify loop with the session target on real prompts: exactness, cache bookkeeping, EOS/limits, scoring."""
 
 import copy
 import io
@@ -357,7 +357,7 @@ def test_a_draft_cast_to_bf16_keeps_rope_frequencies_in_fp32(tmp_path, random_dr
 def test_a_draft_for_another_target_or_a_suite_without_prompts_is_refused(tmp_path, target):
     other = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
     save_checkpoint(tmp_path, 1, Eagle3Draft(Eagle3Config.for_target(other, [1, 2, 3], 64, False)), None, {}, 1)
-    with pytest.raises(UserError, match=r"draft does not fit the target \(hidden size: draft 64, target 576"):
+    with pytest.raises(UserError, match=r"draft does not fit the target \(hidden size: draft 64, target 128"):
         load_draft_for(target, tmp_path / "step-000001")
 
     recipe = load_recipe(make_recipe(tmp_path / "r", [{"name": "sharegpt", "path": SHAREGPT, "max_records": 30}]))
