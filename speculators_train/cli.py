@@ -110,7 +110,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from speculators_train.training.strategy import accelerator, for_recipe
+    from speculators_train.training.strategies import accelerator, for_recipe
     from speculators_train.training.trainer import Trainer
 
     recipe = _recipe(args)

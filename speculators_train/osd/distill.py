@@ -60,7 +60,7 @@ from speculators_train.tracking import init_wandb
 from speculators_train.training import checkpoint as ckpt
 from speculators_train.training.data import collate
 from speculators_train.training.step import optimizer, train_step, trainable
-from speculators_train.training.strategy import accelerator
+from speculators_train.training.strategies import accelerator
 from speculators_train.verify.suites import answered, load_suite
 
 log = logging.getLogger(__name__)

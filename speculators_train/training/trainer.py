@@ -2,7 +2,7 @@
 the recipe's family builds the draft and its objective, and the loop only sees `objective(batch) -> (loss, sums)`.
 
 Runs single-process (CPU or GPU), DDP across processes (`accelerate launch`, `torchrun`), or DeepSpeed ZeRO or
-FSDP2 from the recipe, each behind one `training.strategy.Strategy`. Offline data comes from generator shards;
+FSDP2 from the recipe, each behind one `training.strategies.Strategy`. Offline data comes from generator shards;
 online data is captured from the target in the loop.
 """
 
@@ -40,7 +40,7 @@ from speculators_train.training.data import collate
 from speculators_train.training.select import select
 from speculators_train.training.start import check_same_run, initial_draft, resume_identity, trim_log
 from speculators_train.training.step import optimizer, train_step, trainable
-from speculators_train.training.strategy import Strategy, accelerator, for_recipe
+from speculators_train.training.strategies import Strategy, accelerator, for_recipe
 
 log = logging.getLogger(__name__)
 
