@@ -27,8 +27,8 @@ from speculators_train.families.drafts import check_fits, load_draft, refuse_non
 from speculators_train.families.format_common import DTYPES, stamp_verifier
 from speculators_train.files import to_json, writing
 from speculators_train.head import load_head_weights
-from speculators_train.hidden_states.shards import MANIFEST
 from speculators_train.layout import (
+    MANIFEST,
     TRAINER_STATE,
     checkpoints_dir,
     export_dir,

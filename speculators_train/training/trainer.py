@@ -27,7 +27,15 @@ from speculators_train.families.base import DraftStart
 from speculators_train.families.objective import Objective, Sums, predicted_al_key, summarize
 from speculators_train.files import append_line, atomic_write_json, to_json
 from speculators_train.head import TargetHead, load_head_weights, target_folder
-from speculators_train.layout import BEST, METRICS, checkpoints_dir, latest_checkpoint, read_pointer, train_dir
+from speculators_train.layout import (
+    BEST,
+    METRICS,
+    RUN_INFO,
+    checkpoints_dir,
+    latest_checkpoint,
+    read_pointer,
+    train_dir,
+)
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
 from speculators_train.target import load_target
@@ -264,7 +272,7 @@ class Trainer:
         state = self.state
         self.wandb = self._init_wandb()
         if self.accelerator.is_main_process:
-            write_run_info(self.run_dir, self.recipe.model_dump(mode="json"))
+            write_run_info(self.run_dir / RUN_INFO, self.recipe.model_dump(mode="json"))
             trim_log(self.run_dir / METRICS, state)
         main = self.accelerator.is_main_process
         self._bar = tqdm(total=self.total_steps, initial=state["step"], unit="step", disable=not main, desc="train")

@@ -23,7 +23,7 @@ from speculators_train.eval_config import EvalConfig
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft
 from speculators_train.files import atomic_write_bytes
-from speculators_train.layout import held_out_metrics, verify_dir
+from speculators_train.layout import RUN_INFO, held_out_metrics, verify_dir
 from speculators_train.proposal import Sampling, TreeSpec
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
@@ -176,7 +176,7 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
     out_dir.mkdir(parents=True, exist_ok=True)
     dump = recipe.model_dump(mode="json")
     atomic_write_bytes(out_dir / "recipe.yaml", yaml.safe_dump(dump, sort_keys=False).encode())
-    write_run_info(out_dir, dump)
+    write_run_info(out_dir / RUN_INFO, dump)
     if ev.engine == "vllm":
         from speculators_train.verify.vllm_run import run_vllm
 

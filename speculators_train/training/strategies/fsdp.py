@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from speculators_train.distributed import lone_process_group
-from speculators_train.layout import shard_name
+from speculators_train.layout import shard_name, shard_staging
 from speculators_train.loading import load_torch_state
 from speculators_train.training import checkpoint as ckpt
 from speculators_train.training.strategies.base import MOMENTS, Saved, Strategy, local_tensor
@@ -60,7 +60,7 @@ class Fsdp(Strategy):
         if self.acc.is_main_process:
             ckpt.stage_shards(ckpt_dir, step)
         self.acc.wait_for_everyone()
-        staging = ckpt_dir / f".shards-{step:06d}"
+        staging = shard_staging(ckpt_dir, step)
         state = self._inner_optimizer().state
         local = {}
         for name, param in self.trainable():
