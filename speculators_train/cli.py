@@ -49,7 +49,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     recipe = _recipe(args)
     splits = load_splits(recipe)
-    rendered = rendered_counts(recipe, splits, load_tokenizer(recipe.target), *load_processor(recipe.target))
+    rendered = rendered_counts(recipe.data, splits, load_tokenizer(recipe.target), *load_processor(recipe.target))
     counts = {
         "train": len(splits.train),
         "held_out": len(splits.held_out),

@@ -124,10 +124,10 @@ def verify_packing(
     return target.packed(max(verify_width(k, tree) for k, tree in shapes), draft)
 
 
-def shape_of(recipe: Recipe, loaded: LoadedDraft) -> tuple[str, int, TreeSpec | None]:
+def shape_of(ev: EvalConfig, loaded: LoadedDraft) -> tuple[str, int, TreeSpec | None]:
     """(label, K as scored, tree spec or None) for the recipe's eval mode and this draft (a draft proposes at most
     its family's `draft_tokens` per step)."""
-    ev, family, draft = recipe.eval, loaded.family, loaded.draft
+    family, draft = loaded.family, loaded.draft
     if ev.mode == "tree":
         vocab = getattr(getattr(draft, "config", None), "draft_vocab_size", None)
         if vocab is not None and ev.tree.top_k > vocab:
@@ -202,7 +202,7 @@ def run_native(
     """Our loop: per suite and temperature, each prompt target-only, with the draft, and (at T = 0) with each
     draftless baseline of `eval.baselines`, back to back."""
     ev = recipe.eval
-    shape, k, tree = shape_of(recipe, loaded)
+    shape, k, tree = shape_of(ev, loaded)
     free = [f"{name}(K={k})" for name in ev.baselines]
     total = sum(len(s.prompts) for s in suites) * (2 * len(ev.temperatures) + len(free) * (0 in ev.temperatures))
     records = []
