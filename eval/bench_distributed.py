@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from speculators_train.errors import UserError, run_script
-from speculators_train.layout import METRICS, train_dir
+from speculators_train.layout import MANIFEST, METRICS, hidden_states_dir, train_dir
 from speculators_train.recipe import DEFAULT_RECIPE, load_recipe
 from speculators_train.schema import parse_overrides
 
@@ -80,7 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     recipe = load_recipe(args.recipe, parse_overrides(args.set))
     states = recipe.hidden_states_dir.resolve()
-    if not (states / "manifest.json").is_file():
+    if not (states / MANIFEST).is_file():
         raise UserError(f"{states}: no stored hidden states; run `speculators-train generate {args.recipe}` first")
     common = [*args.set, f"training.max_steps={args.steps}", "training.log_every_steps=1"]
     common += ["training.wandb.mode=disabled", "training.save_every_steps=null", "training.eval_every_steps=null"]
@@ -89,7 +89,7 @@ def main() -> None:
         for name in args.strategies.split(","):
             out = Path(tmp) / name
             out.mkdir()
-            (out / "hidden_states").symlink_to(states)
+            hidden_states_dir(out).symlink_to(states)
             seconds, rss = launch(Path(args.recipe), out, args.ranks, [*common, *STRATEGIES[name]])
             lines = [json.loads(x) for x in (train_dir(out) / METRICS).read_text().splitlines()]
             rates = [r["tokens_per_s"] for r in lines if "tokens_per_s" in r][2:]

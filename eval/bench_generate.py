@@ -42,6 +42,7 @@ from speculators_train.data.render import render_many
 from speculators_train.data.splits import chunks, load_splits
 from speculators_train.errors import run_script
 from speculators_train.hidden_states import generator, pipeline
+from speculators_train.layout import generation_progress
 from speculators_train.recipe import DEFAULT_RECIPE, Recipe, load_recipe
 from speculators_train.schema import parse_overrides
 from speculators_train.target import Target, load_target
@@ -122,7 +123,7 @@ def _generator_phase(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench_generate-") as tmp:
         recipe, splits, target = _setup(args, {"output_dir": tmp})
         identity = generator.generation_identity(recipe, target, splits, 1)
-        progress = generator.Progress(recipe.hidden_states_dir / "progress" / "rank000.json", identity)
+        progress = generator.Progress(generation_progress(recipe.hidden_states_dir, 0), identity)
         ids, mask, _ = next(_forward_batches(recipe, target, splits))
         target.hidden_states(ids, mask)
         _sync(target.device)

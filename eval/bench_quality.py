@@ -39,8 +39,10 @@ from rich.table import Table
 
 from speculators_train.errors import UserError, run_script
 from speculators_train.layout import (
+    MANIFEST,
     METRICS,
     checkpoints_dir,
+    hidden_states_dir,
     latest_checkpoint,
     read_trainer_state,
     train_dir,
@@ -78,7 +80,7 @@ def train_variant(recipe_path: Path, recipe: Recipe, name: str, overrides: dict[
     """Train one variant in its own output_dir, reading the shared slice through a `hidden_states` link."""
     run = recipe.run_dir / "quality" / name
     run.mkdir(parents=True, exist_ok=True)
-    link = run / "hidden_states"
+    link = hidden_states_dir(run)
     if not link.exists():
         link.symlink_to(recipe.hidden_states_dir.resolve(), target_is_directory=True)
     overrides = {"output_dir": str(run), **overrides}
@@ -213,7 +215,7 @@ def main() -> None:
     variants = [parse_variant(v) for v in args.variant or ["base"]]
     for _, overrides in variants:  # a typo stops here, before any generation or training
         load_recipe(recipe_path, {**args.base, **overrides})
-    if not (recipe.hidden_states_dir / "manifest.json").is_file():
+    if not (recipe.hidden_states_dir / MANIFEST).is_file():
         _cli("generate", str(recipe_path), *_sets(args.base))
     results = [score(recipe_path, recipe, name, overrides, args) for name, overrides in variants]
     print(json.dumps({"recipe": str(recipe_path), "results": results}), flush=True)

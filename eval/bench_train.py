@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from speculators_train.errors import run_script
+from speculators_train.layout import hidden_states_dir
 from speculators_train.recipe import DEFAULT_RECIPE, load_recipe
 from speculators_train.schema import parse_overrides
 from speculators_train.training.step import train_step
@@ -41,7 +42,7 @@ def main() -> None:
     recipe = load_recipe(args.recipe, overrides)
     states = recipe.hidden_states_dir.resolve()
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "hidden_states").symlink_to(states)
+        hidden_states_dir(Path(tmp)).symlink_to(states)
         recipe = load_recipe(args.recipe, {**overrides, "output_dir": tmp, "training.wandb.mode": "disabled"})
         trainer = Trainer(recipe)
         model, device = trainer.objective, trainer.accelerator.device

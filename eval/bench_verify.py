@@ -101,7 +101,7 @@ def main() -> None:
         settings.eval.mode, settings.eval.tree.shape = "tree", tree_shape
         if fields:
             settings.eval.tree.top_k, settings.eval.tree.depth, settings.eval.tree.budget = fields
-        shapes.append(shape_of(settings, loaded))
+        shapes.append(shape_of(settings.eval, loaded))
     oracle_k = 5
     widths = [(k, tree) for _, k, tree in shapes] + [(oracle_k, None)]
     records = []

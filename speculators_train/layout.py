@@ -4,17 +4,24 @@ fails on a run file named anywhere else).
 
     <training.output_dir>/
       train/metrics.jsonl                      the trainer's log
+      train/run_info.json                      what made the run (command line, commit, versions, recipe); also in
+                                               hidden_states/ and each verify/<time>/
       train/checkpoints/step-000120/           one checkpoint: model.safetensors, draft_config.json (the draft's
                                                files, families/drafts.py), optimizer.pt, trainer_state.json, and
                                                under FSDP2 optimizer-rank00000-of-00002.pt, ... (a rank's slice)
+      train/checkpoints/.shards-000120/        FSDP2: each rank's slice, staged before rank 0 moves them in
       train/checkpoints/latest.json            {"step": 120}: rewritten atomically after the directory lands
       train/checkpoints/best.json              {"step": 80, "metric": ..., "value": ...}
-      verify/<time>/results.json               one `verify` run's records
+      verify/<time>/results.json, results.md, acceptance.png    one `verify` run's records
       export/<format>/                         what `export` writes
       doctor/<time>/doctor.md, doctor.json     one `doctor` run's checks
-      osd/                                     online distillation (its own files: osd/distill.py, osd/ingest.py)
-
-The hidden states live in `recipe.hidden_states_dir`, their files named and read by `hidden_states/shards.py`.
+      osd/                                     online distillation (osd/distill.py says what each holds):
+        ingest/state.json, ingest/segments/000000.jsonl      exactly-once ingestion (osd/ingest.py)
+        progress.json, general.json, history.jsonl, acceptance.png
+        versions/v0000/checkpoint/, versions/v0000/<format>/, current -> versions/v0000, trainee/step-000003/
+      hidden_states/                           manifest.json, token_freq.safetensors, progress/rank000.json (the
+                                               shards' own names are `hidden_states/shards.py`'s: the manifest
+                                               lists them)
 """
 
 from __future__ import annotations
@@ -33,6 +40,18 @@ LATEST = "latest.json"
 BEST = "best.json"
 METRICS = "metrics.jsonl"
 RESULTS = "results.json"
+RESULTS_REPORT = "results.md"
+ACCEPTANCE_PLOT = "acceptance.png"  # verify's per-run plot, and OSD's acceptance over records seen
+RUN_INFO = "run_info.json"
+DOCTOR_REPORT = "doctor.md"
+DOCTOR_RESULTS = "doctor.json"
+MANIFEST = "manifest.json"  # the hidden states' index: the commit point of `generate`
+TOKEN_FREQ = "token_freq.safetensors"
+OSD_PROGRESS = "progress.json"  # OSD's commit point
+OSD_GENERAL = "general.json"
+OSD_HISTORY = "history.jsonl"
+INGEST_STATE = "state.json"  # ingestion's commit point
+_SHARD_STAGING = ".shards-"
 
 
 def train_dir(run_dir: Path) -> Path:
@@ -59,6 +78,57 @@ def osd_dir(run_dir: Path) -> Path:
     return run_dir / "osd"
 
 
+def hidden_states_dir(run_dir: Path) -> Path:
+    return run_dir / "hidden_states"
+
+
+def ingest_dir(osd: Path) -> Path:
+    return osd / "ingest"
+
+
+def segments_dir(ingest: Path) -> Path:
+    return ingest / "segments"
+
+
+def segment_name(index: int) -> str:
+    """The `index`-th segment of ingested records (the ingestion state lists the committed ones)."""
+    return f"{index:06d}.jsonl"
+
+
+def trainee_dir(osd: Path) -> Path:
+    """OSD's draft in training: a checkpoints/ directory of its own."""
+    return osd / "trainee"
+
+
+def versions_dir(osd: Path) -> Path:
+    return osd / "versions"
+
+
+def version_dir(osd: Path, version: int) -> Path:
+    return versions_dir(osd) / f"v{version:04d}"
+
+
+def versions(osd: Path) -> dict[int, Path]:
+    """OSD's version directories, by number (other entries there are not versions)."""
+    found = versions_dir(osd).glob("v*")
+    return {int(p.name[1:]): p for p in found if p.name[1:].isdigit()}
+
+
+def version_checkpoint(version: Path) -> Path:
+    """A version's checkpoint (ours), beside its export in the recipe's format."""
+    return version / "checkpoint"
+
+
+def current_version(osd: Path) -> Path:
+    """The link to the promoted version, re-pointed atomically."""
+    return osd / "current"
+
+
+def generation_progress(hidden_states: Path, rank: int) -> Path:
+    """One rank's record of the shards it wrote, read when `generate` resumes and when it writes the manifest."""
+    return hidden_states / "progress" / f"rank{rank:03d}.json"
+
+
 def step_dir(checkpoints: Path, step: int) -> Path:
     return checkpoints / f"step-{step:06d}"
 
@@ -66,6 +136,16 @@ def step_dir(checkpoints: Path, step: int) -> Path:
 def shard_name(rank: int, world: int) -> str:
     """The file of a checkpoint holding one rank's slice of the optimizer state (FSDP2)."""
     return f"optimizer-rank{rank:05d}-of-{world:05d}.pt"
+
+
+def shard_staging(checkpoints: Path, step: int) -> Path:
+    """Where each rank writes its slice of a checkpoint before rank 0 moves them in (FSDP2)."""
+    return checkpoints / f"{_SHARD_STAGING}{step:06d}"
+
+
+def shard_stagings(checkpoints: Path) -> list[Path]:
+    """The staging directories there, a killed save's included."""
+    return sorted(checkpoints.glob(f"{_SHARD_STAGING}*"))
 
 
 def read_pointer(path: Path) -> dict[str, Any] | None:

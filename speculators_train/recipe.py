@@ -18,7 +18,7 @@ from typing import Annotated, Any, Union
 import yaml
 from pydantic import Field, model_validator
 
-from speculators_train import families
+from speculators_train import families, layout
 from speculators_train.data.config import DataConfig
 from speculators_train.errors import UserError
 from speculators_train.eval_config import EvalConfig
@@ -142,7 +142,7 @@ class Recipe(Section):
 
     @property
     def hidden_states_dir(self) -> Path:
-        return self.run_dir / "hidden_states"
+        return layout.hidden_states_dir(self.run_dir)
 
 
 # The recipe of the embedded default (relative to a checkout): what the eval scripts run when given none.

@@ -30,9 +30,10 @@ def _version(name: str) -> str | None:
         return None
 
 
-def write_run_info(directory: Path, recipe_dump: dict[str, Any]) -> None:
+def write_run_info(path: Path, recipe_dump: dict[str, Any]) -> None:
+    """At `path` (`layout.RUN_INFO` in the stage's directory)."""
     atomic_write_json(
-        directory / "run_info.json",
+        path,
         {
             "argv": sys.argv,
             "git_commit": _git_commit(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+from speculators_train.data.config import DataConfig
 from speculators_train.data.conversations import Conversation
 from speculators_train.data.mix import Splits, load_mix
 from speculators_train.recipe import Recipe
@@ -22,7 +23,7 @@ def load_splits(recipe: Recipe) -> Splits:
 
 
 def rendered_counts(
-    recipe: Recipe, splits: Splits, tokenizer, processor=None, no_images: str = ""
+    data: DataConfig, splits: Splits, tokenizer, processor=None, no_images: str = ""
 ) -> dict[str, dict[str, int]]:
     """Per split: records, samples, tokens and loss tokens, rendered with the target's chat template (and a
     multimodal target's processor) as `generate` renders them (the dataset's replies: regeneration would replace
@@ -30,7 +31,6 @@ def rendered_counts(
     from speculators_train.data.chat import Chat
     from speculators_train.data.render import render_many
 
-    data = recipe.data
     chat = Chat(tokenizer, data.chat_template_kwargs, processor, no_images)
     out = {}
     for split in SPLITS:

@@ -10,7 +10,8 @@ from speculators_train.doctor.report import Check
 from speculators_train.errors import UserError
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
-from speculators_train.hidden_states.shards import TOKEN_FREQ, read_manifest, read_token_freq
+from speculators_train.hidden_states.shards import read_manifest, read_token_freq
+from speculators_train.layout import TOKEN_FREQ
 
 # identity key -> (what it is, the fix when the target's differs)
 RENDERING = {

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from speculators_train.files import atomic_write_bytes, to_json
+from speculators_train.layout import DOCTOR_REPORT, DOCTOR_RESULTS
 
 Status = Literal["pass", "warn", "fail", "skip"]
 
@@ -31,5 +32,5 @@ def markdown(checks: list[Check], heading: str) -> str:
 
 def write(out_dir: Path, checks: list[Check], heading: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out_dir / "doctor.json", (to_json([asdict(c) for c in checks], indent=2) + "\n").encode())
-    atomic_write_bytes(out_dir / "doctor.md", markdown(checks, heading).encode())
+    atomic_write_bytes(out_dir / DOCTOR_RESULTS, (to_json([asdict(c) for c in checks], indent=2) + "\n").encode())
+    atomic_write_bytes(out_dir / DOCTOR_REPORT, markdown(checks, heading).encode())

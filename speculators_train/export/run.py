@@ -27,8 +27,8 @@ from speculators_train.families.drafts import check_fits, load_draft, refuse_non
 from speculators_train.families.format_common import DTYPES, stamp_verifier
 from speculators_train.files import to_json, writing
 from speculators_train.head import load_head_weights
-from speculators_train.hidden_states.shards import MANIFEST
 from speculators_train.layout import (
+    MANIFEST,
     TRAINER_STATE,
     checkpoints_dir,
     export_dir,
@@ -37,9 +37,10 @@ from speculators_train.layout import (
     verify_results,
 )
 from speculators_train.loading import read_json, read_json_object, reading
-from speculators_train.origin import describe_origin, gguf_file, resolve_origin, target_fingerprint
+from speculators_train.origin import TargetConfig, describe_origin, gguf_file, resolve_origin, target_fingerprint
 from speculators_train.recipe import Recipe
 from speculators_train.runlock import exclusive
+from speculators_train.training.config import TrainingConfig
 
 
 @dataclass
@@ -128,20 +129,20 @@ def model_card(
                     f"- {split}: {info.get('records')} records, {info.get('samples')} samples, "
                     f"{info.get('tokens')} tokens"
                 )
-    lines += ["", "## Training budget", "", *_budget_lines(recipe, checkpoint), "", "## Measured acceptance", ""]
+    lines += ["", "## Training budget", "", *_budget_lines(recipe.training, checkpoint)]
+    lines += ["", "## Measured acceptance", ""]
     lines += _acceptance_lines(recipe, checkpoint)
     lines += ["", "## Serve", "", "```", *commands, "```", ""]
     return "\n".join(lines)
 
 
-def _budget_lines(recipe: Recipe, checkpoint: Path) -> list[str]:
+def _budget_lines(t: TrainingConfig, checkpoint: Path) -> list[str]:
     """The card's training budget, from the checkpoint's trainer state."""
     lines = []
     state = read_trainer_state(checkpoint)
     if state is not None:
         with reading(checkpoint / TRAINER_STATE, "trainer state"):
             identity = state.get("identity") or {}
-            t = recipe.training
             settings = ", ".join(f"{key} {value}" for key, value in (identity.get("draft") or {}).items())
             lines.append(
                 f"Step {state.get('step')} (epoch {state.get('epoch')}), {state.get('tokens')} tokens seen; "
@@ -254,10 +255,10 @@ def written_verifier(recipe: Recipe, target_config: Any, hub_id: str | None) -> 
     return verifier, list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
 
 
-def _target_gguf(recipe: Recipe, source: str) -> tuple[str, list[str]]:
+def _target_gguf(target: TargetConfig, source: str) -> tuple[str, list[str]]:
     """The target as an engine that loads a draft file beside it names it (its GGUF file, not a hub id), and a note
     on making that file where the target is not one."""
-    target_gguf = gguf_file(recipe.target)
+    target_gguf = gguf_file(target)
     if target_gguf is not None:
         return str(target_gguf), []
     served = f"{Path(source).name}.gguf"
@@ -283,7 +284,7 @@ def _export(
         raise UserError(f"{loaded.path}: cannot export in the {fmt} format: {'; '.join(problems)}")
 
     verifier, architectures = written_verifier(recipe, target_config, hub_id)
-    served, notes = (verifier, []) if not export_format.draft_file else _target_gguf(recipe, source)
+    served, notes = (verifier, []) if not export_format.draft_file else _target_gguf(recipe.target, source)
     if hub_id is None and not recipe.export.verifier:
         notes.append(
             f"verifier {verifier!r} is a local path: a serving machine must have it there too, and vLLM's "

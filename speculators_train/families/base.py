@@ -12,6 +12,7 @@ family they have. This module imports no torch, so loading a recipe stays cheap.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from importlib import import_module
@@ -170,6 +171,10 @@ class Family(ABC):
     step_label: ClassVar[str]  # what one row of per-step metrics is: a TTT step, a head
     draft_type: ClassVar[type]  # the draft module, built from one `config_type` argument
     config_type: ClassVar[type]  # the draft's config: a dataclass whose `to_dict()` is saved as JSON
+    # Its reader of a saved config (a staticmethod): `config_type` from a file's values, each checked (a ValueError
+    # names the key).
+    config_reader: ClassVar[Callable[[dict[str, Any]], Any]]
+    proposer_type: ClassVar[type]  # the verify loop's proposer, built by `proposer`
     not_saved: ClassVar[tuple[str, ...]] = ()  # frozen weights restored from the target, never checkpointed
 
     @cached_property
@@ -183,10 +188,10 @@ class Family(ABC):
         return out
 
     # -- building, loading, saving ------------------------------------------------------------------------------
-    @abstractmethod
     def config_from_dict(self, saved: dict[str, Any]) -> Any:
         """The draft's config from its saved `draft_config.json` (someone else's file, maybe), every value typed and
         in range before anything is built from it: a ValueError names the key when one is not."""
+        return self.config_reader(saved)
 
     def build(self, config: Any) -> nn.Module:
         """An untrained draft of this shape (weights to be loaded)."""
@@ -197,9 +202,16 @@ class Family(ABC):
         """A fresh draft to train from `start`: its vocabulary from the token counts, its starting weights from the
         target's head (or layers), reading the stored aux states where it reads aux states."""
 
-    @abstractmethod
     def states(self, config: Any) -> StateSpec:
-        """The target states a draft of this config reads at inference."""
+        """The target states a draft of this config reads at inference: the aux states its config names where its
+        section trains on aux and final states (the final one only gives the target's distribution there), the
+        final state where it trains on that alone, else none."""
+        from speculators_train.target import NO_STATES, StateSpec  # torch: not imported when only a recipe is loaded
+
+        level = self.settings.target_states
+        if level == "aux+final":
+            return StateSpec(tuple(config.aux_layer_ids))
+        return StateSpec(final=True) if level == "final" else NO_STATES
 
     @abstractmethod
     def attach_target(self, draft: nn.Module, embed_weight: torch.Tensor, has_embedding: bool) -> None:
@@ -224,9 +236,13 @@ class Family(ABC):
         distribution with it instead of the settings' loss (online distillation)."""
 
     # -- verify loop ------------------------------------------------------------------------------------------------
-    @abstractmethod
     def proposer(self, draft: nn.Module, target: Target) -> Proposer:
-        """The draft as a proposer for the verify loop."""
+        """The draft as a proposer for the verify loop, reading the states `states` names; one that reads the
+        target's last state also takes the target's final norm, since that state is recorded before the norm."""
+        states = self.states(draft.config)
+        if states.final:
+            return self.proposer_type(draft, target.final_norm, states)
+        return self.proposer_type(draft, states)
 
     def max_draft_tokens(self, draft: nn.Module) -> int | None:
         """The most tokens this draft can propose per step (None: no limit)."""

@@ -30,8 +30,6 @@ from speculators_train.files import atomic_write_bytes, atomic_write_json, remov
 from speculators_train.hidden_states.pipeline import ChunkResult, process_chunk, replying_model_dir
 from speculators_train.hidden_states.shards import (
     FORMAT,
-    MANIFEST,
-    TOKEN_FREQ,
     VERSION,
     check_sha256,
     held_states,
@@ -39,6 +37,7 @@ from speculators_train.hidden_states.shards import (
     shard_name,
     write_shard,
 )
+from speculators_train.layout import MANIFEST, RUN_INFO, TOKEN_FREQ, generation_progress
 from speculators_train.loading import open_tensors, read_json
 from speculators_train.origin import target_fingerprint
 from speculators_train.recipe import Recipe
@@ -134,12 +133,12 @@ def generate(recipe: Recipe) -> dict[str, Any]:
             log.info("%s is already complete; nothing to do", out_dir)
             return manifest
     if state.is_main_process:
-        write_run_info(out_dir, recipe.model_dump(mode="json"))
+        write_run_info(out_dir / RUN_INFO, recipe.model_dump(mode="json"))
         removed = remove_stale_temporaries(out_dir)
         if removed:
             log.info("removed %d partial files left by an interrupted run", removed)
     state.wait_for_everyone()
-    progress = Progress(out_dir / "progress" / f"rank{rank:03d}.json", identity)
+    progress = Progress(generation_progress(out_dir, rank), identity)
     run_rank(recipe, target, splits, progress, rank, world, state.is_local_main_process, state.local_process_index)
     state.wait_for_everyone()
     manifest = (
@@ -219,7 +218,7 @@ def _finalize(
     for split in SPLITS:
         shards = []
         for rank in range(world):
-            state = read_json(out_dir / "progress" / f"rank{rank:03d}.json", "generation progress")
+            state = read_json(generation_progress(out_dir, rank), "generation progress")
             for entry in state["shards"][split]:
                 skips.merge(SkipReport.from_dict(entry.pop("skips")))
                 shards.append(entry)

@@ -24,6 +24,7 @@ from speculators_train.data.regenerate import (
 )
 from speculators_train.data.render import Sample, render_many
 from speculators_train.errors import UserError
+from speculators_train.families.base import FamilySettings
 from speculators_train.origin import gguf_file, resolve_origin
 from speculators_train.recipe import Recipe
 from speculators_train.target import DTYPES, StateSpec, Target
@@ -32,9 +33,9 @@ if TYPE_CHECKING:
     from speculators_train.hidden_states.vllm_capture import VllmCapture
 
 
-def recipe_states(recipe: Recipe, target: Target) -> StateSpec:
-    """The states captured for the recipe's family (`FamilySettings.target_states`): `generate` stores these."""
-    level = recipe.draft.target_states
+def recipe_states(draft: FamilySettings, target: Target) -> StateSpec:
+    """The states captured for the recipe's family (its section's `target_states`): `generate` stores these."""
+    level = draft.target_states
     return StateSpec(tuple(target.aux_layer_ids) if level == "aux+final" else (), final=level != "none")
 
 
@@ -127,7 +128,7 @@ def process_chunk(
     by `replying` (`replying_engine`) when given, else by an engine opened for the chunk. Shared by offline shards,
     online training and online distillation."""
     skips = SkipReport()
-    spec = spec or recipe_states(recipe, target)
+    spec = spec or recipe_states(recipe.draft, target)
     data, max_tokens = recipe.data, recipe.generation.max_tokens_per_batch
     chat = Chat.of(target, data.chat_template_kwargs)
     if target.reads_images and engine is not None:

@@ -31,12 +31,11 @@ from safetensors.torch import save
 from speculators_train.data.splits import SPLITS
 from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_bytes, sha256_bytes, sha256_file
+from speculators_train.layout import MANIFEST, TOKEN_FREQ
 from speculators_train.loading import open_tensors, read_json, reading
 
 FORMAT = "speculators_train.hidden_states"
 VERSION = 1
-MANIFEST = "manifest.json"
-TOKEN_FREQ = "token_freq.safetensors"
 TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_state", "offsets")
 STATE_TENSORS = {"aux+final": ("aux_hidden_states", "hidden_state"), "final": ("hidden_state",), "none": ()}
 

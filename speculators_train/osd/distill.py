@@ -48,7 +48,20 @@ from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_checkpoint, load_draft
 from speculators_train.files import append_line, atomic_write_bytes, atomic_write_json, to_json
 from speculators_train.hidden_states.pipeline import process_chunk
-from speculators_train.layout import osd_dir, step_dir
+from speculators_train.layout import (
+    ACCEPTANCE_PLOT,
+    OSD_GENERAL,
+    OSD_HISTORY,
+    OSD_PROGRESS,
+    current_version,
+    ingest_dir,
+    osd_dir,
+    step_dir,
+    trainee_dir,
+    version_checkpoint,
+    version_dir,
+    versions,
+)
 from speculators_train.loading import read_json
 from speculators_train.osd.ingest import IngestStats, LogIngestor
 from speculators_train.osd.plot import plot
@@ -60,7 +73,7 @@ from speculators_train.tracking import init_wandb
 from speculators_train.training import checkpoint as ckpt
 from speculators_train.training.data import collate
 from speculators_train.training.step import optimizer, train_step, trainable
-from speculators_train.training.strategy import accelerator
+from speculators_train.training.strategies import accelerator
 from speculators_train.verify.suites import answered, load_suite
 
 log = logging.getLogger(__name__)
@@ -73,17 +86,17 @@ class OnlineDistiller:
         self.target = target or load_target(recipe.target)
         self.family = get(recipe.draft.family)
         redact = Redactor(self.cfg.redact, self.cfg.redact_builtin, self.cfg.redact_hook)
-        self.ingestor = LogIngestor(logs, self.root / "ingest", redact, self.cfg.commit_every)
+        self.ingestor = LogIngestor(logs, ingest_dir(self.root), redact, self.cfg.commit_every)
         t = self.target
         self.head = t.head().to(next(t.model.parameters()).device)
         self.scorer = Scorer(self.family, self.head, recipe.draft, recipe.eval.num_speculative_tokens)
         self.accelerator = accelerator(recipe)
-        progress = self.root / "progress.json"
+        progress = self.root / OSD_PROGRESS
         self.progress = read_json(progress, "OSD progress") if progress.is_file() else None
         if self.progress is None:
             self.draft = self._initial_draft()
         else:
-            path = self.root / "versions" / f"v{self.progress['version']:04d}" / "checkpoint"
+            path = version_checkpoint(version_dir(self.root, self.progress["version"]))
             self.draft = self.prepare(path)
             # progress.json is the commit point: a run killed after exporting a version but before committing its
             # window left `current` ahead of it; serve the committed version again (the window is redone).
@@ -141,7 +154,7 @@ class OnlineDistiller:
         """The trainee saved with the last committed update, or (before any update) one restarted from the deployed
         version."""
         step = self.progress.get("trainee")
-        path = step_dir(self.root / "trainee", step) if step is not None else None
+        path = step_dir(trainee_dir(self.root), step) if step is not None else None
         if path is None or not path.is_dir():
             return self._restart_trainee()
         trainee = self.prepare(path)
@@ -181,7 +194,7 @@ class OnlineDistiller:
     def _general_samples(self) -> list[Sample]:
         """The verify suites (`eval.suites`), answered greedily by the target once and frozen in osd/general.json:
         every version is held to the same text, on which teacher-forced AL is the verify loop's greedy AL."""
-        path = self.root / "general.json"
+        path = self.root / OSD_GENERAL
         frozen = {"suites": list(self.recipe.eval.suites), "records": self.cfg.general_records}
         if path.is_file():
             stored = read_json(path, "OSD general suite")
@@ -209,10 +222,10 @@ class OnlineDistiller:
         """versions/vNNNN/{checkpoint, <export.format>}, then `current` re-pointed atomically."""
         from speculators_train.export.run import export
 
-        directory = self.root / "versions" / f"v{version:04d}"
+        directory = version_dir(self.root, version)
         shutil.rmtree(directory, ignore_errors=True)  # a half-written one from a killed run
         checkpoint = ckpt.save_checkpoint(directory / ".staging", 0, draft, None, {"step": 0}, keep_last=1)
-        final = directory / "checkpoint"
+        final = version_checkpoint(directory)
         os.replace(checkpoint, final)
         shutil.rmtree(directory / ".staging", ignore_errors=True)
         fmt = self.recipe.export.format
@@ -223,12 +236,12 @@ class OnlineDistiller:
     def _drop_uncommitted(self) -> None:
         """Remove what a killed run wrote past the commit point: versions beyond the committed one, `current` links
         never renamed into place, and history lines past the committed count (a half-written last one included)."""
-        for directory in (self.root / "versions").glob("v*"):
-            if directory.name[1:].isdigit() and int(directory.name[1:]) > self.progress["version"]:
+        for version, directory in versions(self.root).items():
+            if version > self.progress["version"]:
                 shutil.rmtree(directory)
         for link in self.root.glob(".current-*"):
             link.unlink()
-        history = self.root / "history.jsonl"
+        history = self.root / OSD_HISTORY
         lines = history.read_bytes().split(b"\n") if history.is_file() else [b""]
         # A progress.json written before history lines were counted committed every complete line.
         kept = lines[: self.progress.setdefault("history_lines", len(lines) - 1)]
@@ -239,8 +252,8 @@ class OnlineDistiller:
         """Re-point `current` atomically (a symlink renamed over the old one)."""
         link = self.root / f".current-{os.getpid()}"
         link.unlink(missing_ok=True)
-        link.symlink_to(Path("versions") / f"v{version:04d}")
-        os.replace(link, self.root / "current")
+        link.symlink_to(version_dir(self.root, version).relative_to(self.root))
+        os.replace(link, current_version(self.root))
 
     def run(self) -> list[dict[str, Any]]:
         """Ingest what is new; score and buffer each full window of `update_interval` records and distil after it.
@@ -260,7 +273,7 @@ class OnlineDistiller:
                 tracker.log(numbers, step=history[-1]["records_seen"])
         if tracker is not None:
             tracker.finish()
-        plot(self.root / "history.jsonl", self.root / "acceptance.png")
+        plot(self.root / OSD_HISTORY, self.root / ACCEPTANCE_PLOT)
         return history
 
     def _take(self, entries: list[dict[str, Any]]) -> list[float]:
@@ -293,7 +306,7 @@ class OnlineDistiller:
             # last committed update, and the window is redone.
             updates = self.progress["updates"]
             ckpt.save_checkpoint(
-                self.root / "trainee", updates, self.trainee, self.optimizer.state_dict(), {"update": updates}, 2
+                trainee_dir(self.root), updates, self.trainee, self.optimizer.state_dict(), {"update": updates}, 2
             )
             self.progress["trainee"] = updates
         self.progress["consumed"] += len(entries)
@@ -303,9 +316,9 @@ class OnlineDistiller:
             for item in self.buffer.items
         ]
         # before the commit: a restart drops it unless committed
-        append_line(self.root / "history.jsonl", to_json(record) + "\n", sync=True)
+        append_line(self.root / OSD_HISTORY, to_json(record) + "\n", sync=True)
         self.progress["history_lines"] += 1
-        atomic_write_json(self.root / "progress.json", self.progress)
+        atomic_write_json(self.root / OSD_PROGRESS, self.progress)
         return record
 
     def _update(self) -> dict[str, Any]:

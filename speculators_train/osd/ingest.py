@@ -39,6 +39,7 @@ from typing import Any
 from speculators_train.data.conversations import Conversation
 from speculators_train.errors import UserError
 from speculators_train.files import atomic_write_json, to_json
+from speculators_train.layout import INGEST_STATE, segment_name, segments_dir
 from speculators_train.loading import read_json
 from speculators_train.osd.ingest_state import STATE_VERSION, checked, empty_state, migrated
 from speculators_train.osd.logfiles import (
@@ -85,8 +86,8 @@ class LogIngestor:
             raise UserError(f"--logs {logs}: not a directory")
         self.logs, self.root, self.redact, self.commit_every = logs, root, redact, commit_every
         self.max_line_bytes, self.commit_bytes = max_line_bytes, commit_bytes
-        self.segments_dir = root / "segments"
-        self.state_path = root / "state.json"
+        self.segments_dir = segments_dir(root)
+        self.state_path = root / INGEST_STATE
         self.segments_dir.mkdir(parents=True, exist_ok=True)
         self.notes: list[str] = []
         state = read_json(self.state_path, "ingestion state") if self.state_path.is_file() else None
@@ -184,7 +185,7 @@ class LogIngestor:
         """Segment first (fsynced), then the state naming it: the state file is the only commit point."""
         state = self.state
         if batch:
-            segment = f"{len(state['segments']):06d}.jsonl"
+            segment = segment_name(len(state["segments"]))
             tmp = self.segments_dir / f"{segment}.tmp"
             with open(tmp, "w") as out:
                 out.writelines(to_json(item) + "\n" for item in batch)

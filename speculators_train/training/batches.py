@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from speculators_train.data.chat import Chat
-from speculators_train.data.config import RegenerateConfig
+from speculators_train.data.config import DataConfig, RegenerateConfig
 from speculators_train.data.render import render_many
 from speculators_train.data.splits import chunk_seed, chunks, data_fingerprint, load_splits
 from speculators_train.errors import UserError
@@ -97,7 +97,7 @@ class CapturedBatches:
             raise UserError(f"{len(splits.train)} training records cannot feed {world} ranks")
         if recipe.data.regenerate.enabled:
             log.warning("online + regenerate: the draft vocabulary is counted on the dataset's replies")
-        self.token_freq = token_frequencies(recipe, splits, target)
+        self.token_freq = token_frequencies(recipe.data, splits, target)
         self.aux_layer_ids = target.aux_layer_ids
         self.data_fingerprint = data_fingerprint(splits)
         self.records = splits.train[rank::world]
@@ -168,7 +168,7 @@ def _check_manifest(recipe: Recipe, identity: dict[str, Any], directory: Path) -
         raise UserError(f"{directory} was generated for another setup: " + "; ".join(problems))
 
 
-def token_frequencies(recipe: Recipe, splits, target) -> torch.Tensor:
+def token_frequencies(data: DataConfig, splits, target) -> torch.Tensor:
     """Counts of loss-masked train tokens, as the generator's token_freq file holds (render only, no target).
 
     With data.regenerate on, these are the dataset's replies, not the target's (which do not exist yet)."""
@@ -176,7 +176,6 @@ def token_frequencies(recipe: Recipe, splits, target) -> torch.Tensor:
 
     vocab_size = target.vocab_size
     freq = torch.zeros(vocab_size, dtype=torch.int64)
-    data = recipe.data
     for chunk in chunks(splits.train, 1024):
         chat = Chat.of(target, data.chat_template_kwargs)
         for group in render_many(chunk, chat, data.max_length, data.overlong, SkipReport()):

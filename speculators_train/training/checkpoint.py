@@ -15,7 +15,17 @@ from torch import nn
 
 from speculators_train.families.drafts import save_draft
 from speculators_train.files import atomic_write_json, to_json, writing
-from speculators_train.layout import BEST, LATEST, OPTIMIZER, TRAINER_STATE, read_pointer, step_dir, step_dirs
+from speculators_train.layout import (
+    BEST,
+    LATEST,
+    OPTIMIZER,
+    TRAINER_STATE,
+    read_pointer,
+    shard_staging,
+    shard_stagings,
+    step_dir,
+    step_dirs,
+)
 from speculators_train.loading import load_torch_state, read_json_object
 
 
@@ -61,9 +71,9 @@ def stage_shards(root: Path, step: int) -> Path:
     """Where each rank writes its file of a checkpoint before rank 0 moves them in (rank 0 calls this, between
     barriers; a directory left by a killed save is removed first). Every rank must see `root`: a shared
     filesystem across nodes."""
-    for stale in root.glob(".shards-*"):
+    for stale in shard_stagings(root):
         shutil.rmtree(stale, ignore_errors=True)
-    staging = root / f".shards-{step:06d}"
+    staging = shard_staging(root, step)
     staging.mkdir(parents=True)
     return staging
 

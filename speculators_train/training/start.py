@@ -1,19 +1,29 @@
 """Where a training run starts: a fresh draft or the one `training.init_from` names, and, resuming, what it
-must share with the run it continues and the metrics log cut back to that run's checkpoint."""
+must share with the run it continues, its checkpoint's state put back, and the metrics log cut back to that
+checkpoint."""
 
 from __future__ import annotations
 
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from speculators_train.architectures import text_config
 from speculators_train.errors import UserError
 from speculators_train.families.base import DraftStart, Family
-from speculators_train.families.drafts import check_fits, load_draft
+from speculators_train.families.drafts import check_fits, load_draft, load_weights
 from speculators_train.files import atomic_write_bytes
+from speculators_train.loading import reading
 from speculators_train.recipe import Recipe
+from speculators_train.training import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from speculators_train.training.strategies import Strategy
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +103,31 @@ def check_same_run(path: Path, state: dict[str, Any], identity: dict[str, Any], 
     if diffs:
         detail = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in diffs.items())
         raise UserError(f"{path} was trained with other settings ({detail}); use another output_dir")
+
+
+def resume(
+    path: Path, identity: dict[str, Any], recipe: Recipe, strategy: Strategy, scheduler: LRScheduler
+) -> dict[str, Any]:
+    """The trainer state of the checkpoint at `path`, with its weights, optimizer, schedule and RNG put back into
+    `strategy` and `scheduler`; refused when it was trained under other settings (`identity`) or cannot continue
+    exactly."""
+    optimizer_state, state = ckpt.load_training_state(path)
+    check_same_run(path, state, identity, recipe)
+    if optimizer_state is None:
+        raise UserError(
+            f"{path} holds no optimizer state, so it cannot continue exactly; start a new output_dir, "
+            "or delete its checkpoints to retrain"
+        )
+    weights = load_weights(path)
+    with reading(path, "checkpoint does not fit this run"):  # a damaged or foreign state: one line, no trace
+        strategy.load(path, weights, optimizer_state)
+        scheduler.load_state_dict(optimizer_state["scheduler"])
+        # The scheduler's state does not carry the learning rate it last set (the optimizer's state does, and
+        # the ZeRO state above does not), so set it from the scheduler.
+        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
+        torch.set_rng_state(optimizer_state["torch_rng"])
+    return state
 
 
 def trim_log(path: Path, state: dict[str, Any]) -> None:

@@ -2,7 +2,7 @@
 the recipe's family builds the draft and its objective, and the loop only sees `objective(batch) -> (loss, sums)`.
 
 Runs single-process (CPU or GPU), DDP across processes (`accelerate launch`, `torchrun`), or DeepSpeed ZeRO or
-FSDP2 from the recipe, each behind one `training.strategy.Strategy`. Offline data comes from generator shards;
+FSDP2 from the recipe, each behind one `training.strategies.Strategy`. Offline data comes from generator shards;
 online data is captured from the target in the loop.
 """
 
@@ -24,12 +24,18 @@ from speculators_train import families
 from speculators_train.distributed import across_ranks
 from speculators_train.errors import UserError
 from speculators_train.families.base import DraftStart
-from speculators_train.families.drafts import load_weights
 from speculators_train.families.objective import Objective, Sums, predicted_al_key, summarize
 from speculators_train.files import append_line, atomic_write_json, to_json
 from speculators_train.head import TargetHead, load_head_weights, target_folder
-from speculators_train.layout import BEST, METRICS, checkpoints_dir, latest_checkpoint, read_pointer, train_dir
-from speculators_train.loading import reading
+from speculators_train.layout import (
+    BEST,
+    METRICS,
+    RUN_INFO,
+    checkpoints_dir,
+    latest_checkpoint,
+    read_pointer,
+    train_dir,
+)
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
 from speculators_train.target import load_target
@@ -37,10 +43,11 @@ from speculators_train.tracking import init_wandb
 from speculators_train.training import checkpoint as ckpt
 from speculators_train.training.batches import CapturedBatches, StoredBatches
 from speculators_train.training.data import collate
+from speculators_train.training.schedule import lr_scheduler, out_of_time, total_steps
 from speculators_train.training.select import select
-from speculators_train.training.start import check_same_run, initial_draft, resume_identity, trim_log
+from speculators_train.training.start import initial_draft, resume, resume_identity, trim_log
 from speculators_train.training.step import optimizer, train_step, trainable
-from speculators_train.training.strategy import Strategy, accelerator, for_recipe
+from speculators_train.training.strategies import Strategy, accelerator, for_recipe
 
 log = logging.getLogger(__name__)
 
@@ -147,18 +154,9 @@ class Trainer:
         budget, and both prepared by the accelerator."""
         opt = optimizer(trainable(objective.draft), self.cfg.learning_rate, self.cfg.weight_decay)
         self.batches_per_epoch = self.batches.batches_per_epoch()
-        steps_per_epoch = math.ceil(self.batches_per_epoch / self.cfg.gradient_accumulation_steps)
-        total = self.cfg.epochs * steps_per_epoch
-        self.total_steps = min(total, self.cfg.max_steps) if self.cfg.max_steps else total
-        from torch.optim.lr_scheduler import LambdaLR
-        from transformers import get_cosine_schedule_with_warmup
-
-        if self.cfg.max_minutes:  # warmup and cosine over the time budget; the step count is unknown ahead
-            self.scheduler = LambdaLR(opt, lambda _step: self._time_lr_factor())
-        else:
-            self.scheduler = get_cosine_schedule_with_warmup(
-                opt, round(self.cfg.warmup_ratio * self.total_steps), self.total_steps
-            )
+        self.total_steps = total_steps(self.cfg, self.batches_per_epoch)
+        # The state, not its value now: a resumed run replaces it.
+        self.scheduler = lr_scheduler(opt, self.cfg, self.total_steps, lambda: self.state["train_seconds"])
         self.objective, self.optimizer = self.strategy.prepare(objective, opt)
 
     def _set_up_resume(self) -> None:
@@ -170,16 +168,8 @@ class Trainer:
         self._state_measured = False
         self._resume()
 
-    def _time_lr_factor(self) -> float:
-        """Linear warmup over `warmup_ratio` of the time budget, then cosine to 0 at its end."""
-        progress = min(1.0, self.state["train_seconds"] / (60 * self.cfg.max_minutes))
-        warmup = self.cfg.warmup_ratio
-        if progress < warmup:
-            return progress / warmup
-        return 0.5 * (1 + math.cos(math.pi * (progress - warmup) / (1 - warmup)))
-
     def _out_of_time(self) -> bool:
-        return bool(self.cfg.max_minutes) and self.state["train_seconds"] >= 60 * self.cfg.max_minutes
+        return out_of_time(self.cfg, self.state["train_seconds"])
 
     @property
     def draft(self) -> torch.nn.Module:
@@ -189,23 +179,7 @@ class Trainer:
         path = latest_checkpoint(self.ckpt_dir)
         if path is None:
             return
-        optimizer_state, state = ckpt.load_training_state(path)
-        check_same_run(path, state, self.identity, self.recipe)
-        if optimizer_state is None:
-            raise UserError(
-                f"{path} holds no optimizer state, so it cannot continue exactly; start a new output_dir, "
-                "or delete its checkpoints to retrain"
-            )
-        weights = load_weights(path)
-        with reading(path, "checkpoint does not fit this run"):  # a damaged or foreign state: one line, no trace
-            self.strategy.load(path, weights, optimizer_state)
-            self.scheduler.load_state_dict(optimizer_state["scheduler"])
-            # The scheduler's state does not carry the learning rate it last set (the optimizer's state does, and
-            # the ZeRO state above does not), so set it from the scheduler.
-            for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
-                group["lr"] = lr
-            torch.set_rng_state(optimizer_state["torch_rng"])
-        self.state = state
+        self.state = state = resume(path, self.identity, self.recipe, self.strategy, self.scheduler)
         self._saved = self._position()
         # A kill between a checkpoint and its best.json leaves the pointer behind the state that names the best.
         best = state["best"]
@@ -298,7 +272,7 @@ class Trainer:
         state = self.state
         self.wandb = self._init_wandb()
         if self.accelerator.is_main_process:
-            write_run_info(self.run_dir, self.recipe.model_dump(mode="json"))
+            write_run_info(self.run_dir / RUN_INFO, self.recipe.model_dump(mode="json"))
             trim_log(self.run_dir / METRICS, state)
         main = self.accelerator.is_main_process
         self._bar = tqdm(total=self.total_steps, initial=state["step"], unit="step", disable=not main, desc="train")

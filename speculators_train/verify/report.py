@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from speculators_train.files import atomic_write_bytes, to_json
-from speculators_train.layout import RESULTS
+from speculators_train.layout import ACCEPTANCE_PLOT, RESULTS, RESULTS_REPORT
 from speculators_train.verify.decoder import Generation
 
 
@@ -180,5 +180,5 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 def write_outputs(out_dir: Path, records: list[dict[str, Any]]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / RESULTS, (to_json(records, indent=2) + "\n").encode())
-    atomic_write_bytes(out_dir / "results.md", markdown(records).encode())
-    plot(records, out_dir / "acceptance.png")
+    atomic_write_bytes(out_dir / RESULTS_REPORT, markdown(records).encode())
+    plot(records, out_dir / ACCEPTANCE_PLOT)

@@ -23,7 +23,7 @@ from speculators_train.eval_config import EvalConfig
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft
 from speculators_train.files import atomic_write_bytes
-from speculators_train.layout import held_out_metrics, verify_dir
+from speculators_train.layout import RUN_INFO, held_out_metrics, verify_dir
 from speculators_train.proposal import Sampling, TreeSpec
 from speculators_train.recipe import Recipe
 from speculators_train.runinfo import write_run_info
@@ -124,10 +124,10 @@ def verify_packing(
     return target.packed(max(verify_width(k, tree) for k, tree in shapes), draft)
 
 
-def shape_of(recipe: Recipe, loaded: LoadedDraft) -> tuple[str, int, TreeSpec | None]:
+def shape_of(ev: EvalConfig, loaded: LoadedDraft) -> tuple[str, int, TreeSpec | None]:
     """(label, K as scored, tree spec or None) for the recipe's eval mode and this draft (a draft proposes at most
     its family's `draft_tokens` per step)."""
-    ev, family, draft = recipe.eval, loaded.family, loaded.draft
+    family, draft = loaded.family, loaded.draft
     if ev.mode == "tree":
         vocab = getattr(getattr(draft, "config", None), "draft_vocab_size", None)
         if vocab is not None and ev.tree.top_k > vocab:
@@ -176,7 +176,7 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
     out_dir.mkdir(parents=True, exist_ok=True)
     dump = recipe.model_dump(mode="json")
     atomic_write_bytes(out_dir / "recipe.yaml", yaml.safe_dump(dump, sort_keys=False).encode())
-    write_run_info(out_dir, dump)
+    write_run_info(out_dir / RUN_INFO, dump)
     if ev.engine == "vllm":
         from speculators_train.verify.vllm_run import run_vllm
 
@@ -202,7 +202,7 @@ def run_native(
     """Our loop: per suite and temperature, each prompt target-only, with the draft, and (at T = 0) with each
     draftless baseline of `eval.baselines`, back to back."""
     ev = recipe.eval
-    shape, k, tree = shape_of(recipe, loaded)
+    shape, k, tree = shape_of(ev, loaded)
     free = [f"{name}(K={k})" for name in ev.baselines]
     total = sum(len(s.prompts) for s in suites) * (2 * len(ev.temperatures) + len(free) * (0 in ev.temperatures))
     records = []

@@ -5,7 +5,8 @@ import json
 from speculators_train.doctor.data import check_verifier
 from speculators_train.doctor.serve import config_diffs
 from speculators_train.families.format_common import proposal_config, stamp_verifier
-from speculators_train.hidden_states.shards import FORMAT, MANIFEST, VERSION
+from speculators_train.hidden_states.shards import FORMAT, VERSION
+from speculators_train.layout import MANIFEST
 
 OLD = {"revision": "abc123", "config_hash": "sha256:1111"}
 NEW = {"revision": "def456", "config_hash": "sha256:2222"}

@@ -216,28 +216,37 @@ def _run_name_offences(path, names: set[str], dirs: set[str]) -> list[str]:
             right = node.right
             if isinstance(right, ast.Constant) and right.value in dirs:
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}: / {right.value!r}")
-            if isinstance(right, ast.JoinedStr) and ast.unparse(right).startswith(("f'step-", 'f"step-')):
+            spelled = ast.unparse(right)[2:]  # past f and its quote
+            if isinstance(right, ast.JoinedStr) and spelled.startswith(("step-", ".shards-", "v{", "rank{")):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(right)}")
     return found
 
 
 def test_only_the_layout_names_a_runs_files():
     """A stage reads another stage's files through `layout.py` (an import the drawing above sees), never by a
-    literal name: checkpoints, their pointers and trainer state, the trainer's log, verify's results and the run's
-    stage directories are spelled there alone (eval scripts included)."""
+    literal name: checkpoints, their pointers, trainer state and FSDP2's staging, the trainer's log, verify's and
+    doctor's reports, OSD's store and ingestion, the hidden states' manifest and the run's stage directories are
+    spelled there alone (eval scripts included)."""
     from speculators_train import layout
 
     names = {layout.TRAINER_STATE, layout.OPTIMIZER, layout.LATEST, layout.BEST, layout.METRICS, layout.RESULTS}
-    names.add(layout.DRAFT_CONFIG)
-    dirs = {"train", "checkpoints", "verify", "export", "osd"}
+    names |= {layout.DRAFT_CONFIG, layout.RESULTS_REPORT, layout.ACCEPTANCE_PLOT, layout.RUN_INFO}
+    names |= {layout.DOCTOR_REPORT, layout.DOCTOR_RESULTS, layout.MANIFEST, layout.TOKEN_FREQ}
+    names |= {layout.OSD_PROGRESS, layout.OSD_GENERAL, layout.OSD_HISTORY, layout.INGEST_STATE, ".shards-"}
+    dirs = {"train", "checkpoints", "verify", "export", "osd", "doctor", "hidden_states", "progress"}
+    dirs |= {"ingest", "segments", "versions", "trainee", "current", "checkpoint"}
     paths = [p for p in [*PACKAGE.rglob("*.py"), *(REPO / "eval").glob("*.py")] if p != PACKAGE / "layout.py"]
     offences = [line for path in paths for line in _run_name_offences(path, names, dirs)]
     assert not offences, "\n".join(offences)
     # The check itself finds each kind of spelling.
     probe = REPO / "tests" / "unit" / "_layout_probe.py"
-    probe.write_text('x = run / "train" / "checkpoints" / f"step-{s:06d}" / "trainer_state.json"\n')
+    probe.write_text(
+        'x = run / "train" / "checkpoints" / f"step-{s:06d}" / "trainer_state.json"\n'
+        'y = run / "osd" / "versions" / f"v{v:04d}" / "checkpoint" / f".shards-{s:06d}"\n'
+        'z = run / "doctor" / "doctor.md", osd / "progress.json", run / "hidden_states" / "manifest.json"\n'
+    )
     try:
-        assert len(_run_name_offences(probe, names, dirs)) == 4
+        assert len(_run_name_offences(probe, names, dirs)) == 15
     finally:
         probe.unlink()
 

@@ -16,7 +16,6 @@ from speculators_train.families.block.settings import Settings
 from speculators_train.families.eagle.family import EagleFamily
 from speculators_train.families.vocab import default_mask_token_id
 from speculators_train.head import TargetHead
-from speculators_train.target import Target
 
 
 class DFlashFamily(EagleFamily):
@@ -29,10 +28,9 @@ class DFlashFamily(EagleFamily):
     step_label = "position"
     draft_type = DFlashDraft
     config_type = DFlashConfig
+    config_reader = staticmethod(checked_dflash_config)
+    proposer_type = DFlashProposer
     not_saved = ("embed_tokens.weight",)
-
-    def config_from_dict(self, saved: dict[str, Any]) -> DFlashConfig:
-        return checked_dflash_config(saved)
 
     def draft_config(
         self, settings: Settings, target_config: Any, aux_layer_ids: list[int], draft_vocab_size: int
@@ -68,9 +66,6 @@ class DFlashFamily(EagleFamily):
             weighting = ("exp_decay", settings.gamma, settings.dpace_alpha)
         positions = min(depth or slots, slots)
         return DFlashObjective(draft, head, positions, weighting, settings.max_anchors, kind, settings.auxiliary)
-
-    def proposer(self, draft: DFlashDraft, target: Target) -> DFlashProposer:
-        return DFlashProposer(draft, self.states(draft.config))
 
     def max_draft_tokens(self, draft: DFlashDraft) -> int:
         return draft.config.block_size - 1

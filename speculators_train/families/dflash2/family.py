@@ -10,7 +10,6 @@ from speculators_train.families.block.family import DFlashFamily
 from speculators_train.families.dflash2.model import OPTIONS, DFlash2Config, DFlash2Draft, checked_dflash2_config
 from speculators_train.families.dflash2.proposer import DFlash2Proposer
 from speculators_train.families.dflash2.settings import Settings
-from speculators_train.target import Target
 
 
 class DFlash2Family(DFlashFamily):
@@ -19,18 +18,14 @@ class DFlash2Family(DFlashFamily):
     title = "DFlash2 draft"
     draft_type = DFlash2Draft
     config_type = DFlash2Config
-
-    def config_from_dict(self, saved: dict[str, Any]) -> DFlash2Config:
-        return checked_dflash2_config(saved)
+    config_reader = staticmethod(checked_dflash2_config)
+    proposer_type = DFlash2Proposer
 
     def draft_config(
         self, settings: Settings, target_config: Any, aux_layer_ids: list[int], draft_vocab_size: int
     ) -> DFlash2Config:
         base = super().draft_config(settings, target_config, aux_layer_ids, draft_vocab_size)
         return DFlash2Config(**base.to_dict(), **{name: getattr(settings, name) for name in OPTIONS})
-
-    def proposer(self, draft: DFlash2Draft, target: Target) -> DFlash2Proposer:
-        return DFlash2Proposer(draft, self.states(draft.config))
 
 
 FAMILY = DFlash2Family()

@@ -23,7 +23,7 @@ from speculators_train.families.draft_model.settings import Settings
 from speculators_train.folders import check_model_folder
 from speculators_train.head import TargetHead
 from speculators_train.loading import describe, reading
-from speculators_train.target import NO_STATES, StateSpec, Target
+from speculators_train.target import NO_STATES, StateSpec
 
 
 def starting_model(settings: Settings, start: DraftStart) -> nn.Module:
@@ -126,9 +126,8 @@ class DraftModelFamily(Family):
     step_label = "step"
     draft_type = StandaloneDraft
     config_type = DraftModelConfig
-
-    def config_from_dict(self, saved: dict[str, Any]) -> DraftModelConfig:
-        return checked_config(saved)
+    config_reader = staticmethod(checked_config)
+    proposer_type = DraftModelProposer
 
     def new_draft(self, settings: Settings, start: DraftStart) -> StandaloneDraft:
         """A copy of the starting LM with its own (untied) output layer; the vocabulary is the target's whole one."""
@@ -143,6 +142,7 @@ class DraftModelFamily(Family):
         return draft
 
     def states(self, config: DraftModelConfig) -> StateSpec:
+        """None: it reads tokens alone (the final state it trains on only gives the target's distribution)."""
         return NO_STATES
 
     def attach_target(self, draft: StandaloneDraft, embed_weight: torch.Tensor, has_embedding: bool) -> None:
@@ -157,9 +157,6 @@ class DraftModelFamily(Family):
         divergence: str | None = None,
     ) -> DraftModelObjective:
         return DraftModelObjective(draft, head, divergence or settings.loss)
-
-    def proposer(self, draft: StandaloneDraft, target: Target) -> DraftModelProposer:
-        return DraftModelProposer(draft, self.states(draft.config))
 
     def card_rows(self, draft: StandaloneDraft, fmt: str, k: int) -> list[tuple[str, str]]:
         cfg = draft.config.lm_config

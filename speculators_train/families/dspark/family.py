@@ -12,7 +12,6 @@ from speculators_train.families.block.family import DFlashFamily
 from speculators_train.families.dspark.model import DSparkConfig, DSparkDraft, checked_dspark_config
 from speculators_train.families.dspark.proposer import DSparkProposer
 from speculators_train.families.dspark.settings import Settings
-from speculators_train.target import Target
 
 
 class DSparkFamily(DFlashFamily):
@@ -23,18 +22,14 @@ class DSparkFamily(DFlashFamily):
     title = "DSpark draft"
     draft_type = DSparkDraft
     config_type = DSparkConfig
-
-    def config_from_dict(self, saved: dict[str, Any]) -> DSparkConfig:
-        return checked_dspark_config(saved)
+    config_reader = staticmethod(checked_dspark_config)
+    proposer_type = DSparkProposer
 
     def draft_config(
         self, settings: Settings, target_config: Any, aux_layer_ids: list[int], draft_vocab_size: int
     ) -> DSparkConfig:
         base = super().draft_config(settings, target_config, aux_layer_ids, draft_vocab_size)
         return DSparkConfig.with_heads(base, settings)
-
-    def proposer(self, draft: DSparkDraft, target: Target) -> DSparkProposer:
-        return DSparkProposer(draft, self.states(draft.config))
 
     def max_draft_tokens(self, draft: DSparkDraft) -> int:
         return draft.config.block_size

@@ -13,7 +13,6 @@ from speculators_train.families.base import DraftStart, Family, FamilySettings
 from speculators_train.families.eagle.model import Eagle3Config, Eagle3Draft
 from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
 from speculators_train.head import head_norm_offset
-from speculators_train.target import StateSpec
 
 
 class EagleFamily(Family):
@@ -38,9 +37,6 @@ class EagleFamily(Family):
             # Gemma stores its final norm weight as an offset from 1; the draft's Llama norm multiplies by w.
             draft.norm.weight.copy_(head["norm"] + head_norm_offset(target_config))
         return draft
-
-    def states(self, config: Eagle3Config) -> StateSpec:
-        return StateSpec(tuple(config.aux_layer_ids))
 
     def attach_target(self, draft: Eagle3Draft, embed_weight: torch.Tensor, has_embedding: bool) -> None:
         """The target's embedding, unless the draft's files carried their own (vLLM keeps those too)."""

@@ -11,7 +11,6 @@ from speculators_train.families.eagle3.objective import Eagle3Objective
 from speculators_train.families.eagle3.proposer import Eagle3Proposer
 from speculators_train.families.eagle3.settings import Settings
 from speculators_train.head import TargetHead
-from speculators_train.target import Target
 
 
 class Eagle3Family(EagleFamily):
@@ -21,10 +20,9 @@ class Eagle3Family(EagleFamily):
     step_label = "ttt step"
     draft_type = Eagle3Draft
     config_type = Eagle3Config
+    config_reader = staticmethod(checked_config)
+    proposer_type = Eagle3Proposer
     not_saved = ("embed_tokens.weight",)  # the target's, frozen and large: restored from the target
-
-    def config_from_dict(self, saved: dict[str, Any]) -> Eagle3Config:
-        return checked_config(saved)
 
     def draft_config(
         self, settings: Settings, target_config: Any, aux_layer_ids: list[int], draft_vocab_size: int
@@ -50,9 +48,6 @@ class Eagle3Family(EagleFamily):
         return Eagle3Objective(
             draft, head, depth or settings.ttt_steps, settings.step_decay, divergence or settings.loss
         )
-
-    def proposer(self, draft: Eagle3Draft, target: Target) -> Eagle3Proposer:
-        return Eagle3Proposer(draft, self.states(draft.config))
 
     def card_rows(self, draft: Eagle3Draft, fmt: str, k: int) -> list[tuple[str, str]]:
         cfg = draft.config

@@ -17,7 +17,6 @@ from speculators_train.families.objective import key
 from speculators_train.families.vocab import build_vocab_mapping, draft_to_target
 from speculators_train.head import TargetHead
 from speculators_train.proposal import TreeSpec
-from speculators_train.target import StateSpec, Target
 
 
 def rank_accuracies(held_out: dict[str, Any], heads: int) -> list[list[float]]:
@@ -43,18 +42,14 @@ class MedusaFamily(Family):
     step_label = "head"
     draft_type = MedusaDraft
     config_type = MedusaConfig
-
-    def config_from_dict(self, saved: dict[str, Any]) -> MedusaConfig:
-        return checked_config(saved)
+    config_reader = staticmethod(checked_config)
+    proposer_type = MedusaProposer
 
     def new_draft(self, settings: Settings, start: DraftStart) -> MedusaDraft:
         """Blocks at zero, so each head starts as the target's lm_head rows of the draft vocabulary."""
         d2t, t2d = build_vocab_mapping(start.token_freq, min(settings.draft_vocab_size, start.token_freq.numel()))
         rows = start.head["lm_head"][draft_to_target(d2t)]
         return MedusaDraft.for_target(start.target_config, rows, d2t, t2d, settings.num_heads, settings.num_layers)
-
-    def states(self, config: MedusaConfig) -> StateSpec:
-        return StateSpec(final=True)
 
     def attach_target(self, draft: MedusaDraft, embed_weight: torch.Tensor, has_embedding: bool) -> None:
         """Heads take nothing from the target's weights: they read its state through its own final norm."""
@@ -70,9 +65,6 @@ class MedusaFamily(Family):
         """Every head is scored whatever `depth`; a `divergence` distils the target's distribution (soft)."""
         hard = settings.loss == "hard" and divergence is None
         return MedusaObjective(draft, head, settings.head_decay, hard, divergence or "ce")
-
-    def proposer(self, draft: MedusaDraft, target: Target) -> MedusaProposer:
-        return MedusaProposer(draft, target.final_norm, self.states(draft.config))
 
     def max_draft_tokens(self, draft: MedusaDraft) -> int:
         return draft.config.num_heads

@@ -3,8 +3,6 @@ before them, trained stage by stage against the target's distribution, exported 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from speculators_train.families.base import DraftStart, Family
@@ -13,7 +11,6 @@ from speculators_train.families.mlp.objective import MLPObjective
 from speculators_train.families.mlp.proposer import MLPProposer
 from speculators_train.families.mlp.settings import Settings
 from speculators_train.head import TargetHead
-from speculators_train.target import StateSpec, Target
 
 
 class MLPFamily(Family):
@@ -23,9 +20,8 @@ class MLPFamily(Family):
     step_label = "stage"
     draft_type = MLPDraft
     config_type = MLPConfig
-
-    def config_from_dict(self, saved: dict[str, Any]) -> MLPConfig:
-        return checked_config(saved)
+    config_reader = staticmethod(checked_config)
+    proposer_type = MLPProposer
 
     def new_draft(self, settings: Settings, start: DraftStart) -> MLPDraft:
         """Stages at the target's width start with the target's output layer as every head and as the token
@@ -57,9 +53,6 @@ class MLPFamily(Family):
                     emb.weight.copy_(rows)
         return draft
 
-    def states(self, config: MLPConfig) -> StateSpec:
-        return StateSpec(final=True)
-
     def attach_target(self, draft: MLPDraft, embed_weight: torch.Tensor, has_embedding: bool) -> None:
         """The stages own their embeddings and heads."""
 
@@ -73,9 +66,6 @@ class MLPFamily(Family):
     ) -> MLPObjective:
         """Every stage is scored whatever `depth`."""
         return MLPObjective(draft, head, settings.stage_decay, divergence or settings.loss)
-
-    def proposer(self, draft: MLPDraft, target: Target) -> MLPProposer:
-        return MLPProposer(draft, target.final_norm, self.states(draft.config))
 
     def max_draft_tokens(self, draft: MLPDraft) -> int:
         return draft.config.n_predict

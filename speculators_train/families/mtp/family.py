@@ -3,8 +3,6 @@ the next token, trained recursively over a few steps (FastMTP), the target's emb
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from speculators_train.families.base import DraftStart, Family
@@ -16,7 +14,6 @@ from speculators_train.families.mtp.proposer import MTPProposer
 from speculators_train.families.mtp.settings import Settings
 from speculators_train.head import HEAD_NORM_PREFIX, TargetHead
 from speculators_train.loading import reading
-from speculators_train.target import StateSpec, Target
 
 
 class MTPFamily(Family):
@@ -26,10 +23,9 @@ class MTPFamily(Family):
     step_label = "step"
     draft_type = MTPDraft
     config_type = MTPConfig
+    config_reader = staticmethod(checked_mtp_config)
+    proposer_type = MTPProposer
     not_saved = ("embed_tokens.weight",)  # the target's, frozen: restored from the target
-
-    def config_from_dict(self, saved: dict[str, Any]) -> MTPConfig:
-        return checked_mtp_config(saved)
 
     def new_draft(self, settings: Settings, start: DraftStart) -> MTPDraft:
         """From the target's own MTP layer where its checkpoint has one (DeepSeek-V3, GLM-4.5: `model.layers.{n}`),
@@ -58,9 +54,6 @@ class MTPFamily(Family):
             draft.load_state_dict(mine, strict=False)
         return draft
 
-    def states(self, config: MTPConfig) -> StateSpec:
-        return StateSpec(final=True)
-
     def attach_target(self, draft: MTPDraft, embed_weight: torch.Tensor, has_embedding: bool) -> None:
         if not has_embedding:
             with torch.no_grad():
@@ -76,9 +69,6 @@ class MTPFamily(Family):
     ) -> MTPObjective:
         steps = min(depth or draft.config.num_steps, draft.config.num_steps)
         return MTPObjective(draft, head, settings.step_beta, divergence or settings.loss, steps)
-
-    def proposer(self, draft: MTPDraft, target: Target) -> MTPProposer:
-        return MTPProposer(draft, target.final_norm, self.states(draft.config))
 
     def card_rows(self, draft: MTPDraft, fmt: str, k: int) -> list[tuple[str, str]]:
         cfg = draft.config

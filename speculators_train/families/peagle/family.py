@@ -17,7 +17,6 @@ from speculators_train.families.peagle.proposer import PEagleProposer
 from speculators_train.families.peagle.settings import Settings
 from speculators_train.families.vocab import default_mask_token_id
 from speculators_train.head import TargetHead
-from speculators_train.target import Target
 
 
 class PEagleFamily(EagleFamily):
@@ -27,10 +26,9 @@ class PEagleFamily(EagleFamily):
     step_label = "depth"
     draft_type = PEagleDraft
     config_type = PEagleConfig
+    config_reader = staticmethod(checked_peagle_config)
+    proposer_type = PEagleProposer
     not_saved = ("embed_tokens.weight",)  # the target's, frozen; the trained mask row is `mask_embedding`
-
-    def config_from_dict(self, saved: dict[str, Any]) -> PEagleConfig:
-        return checked_peagle_config(saved)
 
     def draft_config(
         self, settings: Settings, target_config: Any, aux_layer_ids: list[int], draft_vocab_size: int
@@ -67,9 +65,6 @@ class PEagleFamily(EagleFamily):
         depths = min(depth or settings.depths, draft.config.depths)
         ratios = (settings.down_sample_ratio, settings.down_sample_ratio_min)
         return PEagleObjective(draft, head, depths, ratios, divergence or settings.loss)
-
-    def proposer(self, draft: PEagleDraft, target: Target) -> PEagleProposer:
-        return PEagleProposer(draft, self.states(draft.config))
 
     def max_draft_tokens(self, draft: PEagleDraft) -> int:
         return draft.config.depths
