@@ -21,7 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from speculators_train.engines import vllm
+from speculators_train.engines.vllm import offline as vllm
 from speculators_train.engines.serving import serving
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
