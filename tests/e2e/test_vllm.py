@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from speculators_train.engines.vllm.offline import Completion, Decoded, SpecCounts, spec_counts
+from speculators_train.engines.vllm.verify import NGRAM, record, settings
 from speculators_train.errors import UserError
 from speculators_train.families import FAMILIES, get, settings_types
 from speculators_train.families.drafts import load_draft
 from speculators_train.recipe import load_recipe
-from speculators_train.verify.vllm_run import NGRAM, record, settings
 from tests.conftest import REPO, SHAREGPT, make_recipe
 
 MAX_NEW = 48

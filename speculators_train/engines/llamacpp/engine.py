@@ -15,6 +15,7 @@ class LlamaCppEngine(Engine):
     command_prefix = "llama-server "
     export_formats: ClassVar[tuple[str, ...]] = ("gguf",)
     baselines: ClassVar[tuple[str, ...]] = ("ngram-simple", "ngram-cache", "ngram-mod")  # its n-gram spec types
+    verify_runner = "verify:run_llamacpp"
 
     def serving(
         self, target: Any, target_config: Any, settings: Any, nextn_classes: tuple[str, ...] | None = None

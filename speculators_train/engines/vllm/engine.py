@@ -16,6 +16,7 @@ class VllmEngine(Engine):
     command_prefix = "vllm serve "
     # no export.format of its own: every format no other engine claims is its (the registry's first)
     baselines: ClassVar[tuple[str, ...]] = ("ngram", "suffix")  # its draftless speculative methods
+    verify_runner = "verify:run_vllm"
 
     def serving(
         self, target: Any, target_config: Any, settings: Any, nextn_classes: tuple[str, ...] | None = None
