@@ -16,6 +16,7 @@ class LlamaCppEngine(Engine):
     export_formats: ClassVar[tuple[str, ...]] = ("gguf",)
     baselines: ClassVar[tuple[str, ...]] = ("ngram-simple", "ngram-cache", "ngram-mod")  # its n-gram spec types
     verify_runner = "verify:run_llamacpp"
+    doctor_check = "doctor:check"
 
     def serving(
         self, target: Any, target_config: Any, settings: Any, nextn_classes: tuple[str, ...] | None = None

@@ -12,6 +12,7 @@ class SGLangEngine(Engine):
     name = "sglang"
     command_prefix = "python -m sglang.launch_server "
     export_formats: ClassVar[tuple[str, ...]] = ("sglang",)
+    doctor_check = "doctor:check"
 
 
 ENGINE = SGLangEngine()

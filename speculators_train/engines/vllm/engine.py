@@ -17,6 +17,7 @@ class VllmEngine(Engine):
     # no export.format of its own: every format no other engine claims is its (the registry's first)
     baselines: ClassVar[tuple[str, ...]] = ("ngram", "suffix")  # its draftless speculative methods
     verify_runner = "verify:run_vllm"
+    doctor_check = "doctor:check"
 
     def serving(
         self, target: Any, target_config: Any, settings: Any, nextn_classes: tuple[str, ...] | None = None
