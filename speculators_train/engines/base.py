@@ -25,6 +25,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     from speculators_train.engines.serving import Serving
 
+# The most draft tokens one verify step may carry (chain K, tree depth) in the loop or any engine: far above what
+# pays on any of them (vLLM and SGLang recipes use K <= 8), low enough that a typo cannot make every step a forward
+# of thousands of positions.
+MAX_DRAFT_TOKENS = 64
+
 
 class Engine:
     """A serving engine; the defaults are an engine this toolkit prints serve lines for and checks nothing of."""
