@@ -20,6 +20,7 @@ from speculators_train import engines
 from speculators_train.engines.base import Engine
 from speculators_train.engines.serving import Serving, served_commands, serving
 from speculators_train.eval_config import EvalConfig
+from speculators_train.families import FAMILIES, get
 from tests.conftest import REPO
 
 PACKAGE = REPO / "speculators_train"
@@ -104,6 +105,18 @@ def test_the_cli_the_recipe_and_doctor_list_the_registrys_engines(monkeypatch):
     assert doctors_engines(monkeypatch) == list(ran_here)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_engine_whose_records_decide_an_exports_k_is_the_one_serving_its_format(family, tmp_path):
+    """As export has always picked it: llama.cpp for a draft file beside the target's GGUF, vLLM for a format it
+    serves as a speculative method, the loop for any other."""
+    from speculators_train.export.run import served_engine
+
+    for fmt in get(family).formats.values():
+        vllm = fmt.vllm_speculative_config(tmp_path, 3) is not None
+        expected = "llama.cpp" if fmt.draft_file else "vllm" if vllm else "native"
+        assert served_engine(fmt, tmp_path, 3) == expected, fmt.name
+
+
 def test_the_other_engine_choices_name_registered_engines():
     """`data.regenerate.engine` and `generation.engine` choose who runs the target's forward (transformers, or an
     engine's own runtime), not a serving engine; their engines are registered ones all the same."""
@@ -179,6 +192,7 @@ engines.ENGINES = (*engines.ENGINES, "fake")
 
 from speculators_train.cli import build_parser
 from speculators_train.eval_config import EvalConfig
+from speculators_train.families import FAMILIES, get
 
 print(EvalConfig(engine="fake").engine, build_parser().parse_args(["verify", "r.yaml", "--engine", "fake"]).engine)
 """
