@@ -26,11 +26,11 @@ from rich.console import Console
 from rich.table import Table
 
 from speculators_train.engines.llamacpp.build import ensure_built, version
+from speculators_train.engines.llamacpp.verify import target_files
 from speculators_train.errors import UserError, run_script
 from speculators_train.layout import checkpoints_dir
 from speculators_train.recipe import DEFAULT_RECIPE, load_recipe
 from speculators_train.schema import parse_overrides
-from speculators_train.verify.llamacpp_run import target_files
 from speculators_train.verify.run import verify
 
 

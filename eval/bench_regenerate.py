@@ -99,7 +99,7 @@ def main() -> None:
     if not args.no_vllm:
         import psutil
 
-        from speculators_train.engines.vllm import Engine
+        from speculators_train.engines.vllm.offline import Engine
 
         def engine_cpu() -> float:
             times = [c.cpu_times() for c in psutil.Process().children(recursive=True)]

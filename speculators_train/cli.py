@@ -12,8 +12,10 @@ from rich.logging import RichHandler
 from rich.table import Table
 from rich.text import Text
 
+from speculators_train import engines
 from speculators_train.data.conversations import SkipReport
 from speculators_train.errors import UserError, interrupted, os_error, terminate_like_interrupt
+from speculators_train.eval_config import ENGINE_CHOICES
 from speculators_train.files import to_json
 from speculators_train.layout import DOCTOR_REPORT, DOCTOR_RESULTS, checkpoints_dir, ingest_dir, osd_dir, train_dir
 from speculators_train.recipe import Recipe, load_recipe
@@ -182,7 +184,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from speculators_train.doctor.run import DoctorOptions, doctor
 
     recipe = _recipe(args, target=False)
-    engine = args.serve_engine or {"sglang": "sglang", "gguf": "llama.cpp"}.get(recipe.export.format, "vllm")
+    engine = args.serve_engine or engines.for_format(recipe.export.format).name
     out_dir, checks = doctor(
         recipe,
         Path(args.draft) if args.draft else None,
@@ -284,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "verify":
             p.add_argument("--draft", help="checkpoint dir, or a checkpoints/run dir (its best); default: the recipe's")
             p.add_argument("--out", help="output dir; default <run dir>/verify/<timestamp>")
-            p.add_argument("--engine", choices=["native", "llama.cpp", "vllm"], help="default: eval.engine")
+            p.add_argument("--engine", choices=ENGINE_CHOICES, help="default: eval.engine")
         if name == "export":
             p.add_argument(
                 "--checkpoint", help="checkpoint dir, checkpoints/run dir (its best), or a draft made elsewhere"
@@ -303,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--draft", help="the export to check; default <run dir>/export/<export.format>")
             p.add_argument("--checkpoint", help="the trained checkpoint it came from; default: the recipe's best")
             p.add_argument(
-                "--engine", dest="serve_engine", choices=["vllm", "llama.cpp", "sglang"],
+                "--engine", dest="serve_engine", choices=engines.names(),
                 help="the engine that serves it; default: the one export.format is for",
             )  # fmt: skip
             p.add_argument("--out", help="report dir; default <run dir>/doctor/<timestamp>")

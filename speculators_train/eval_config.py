@@ -4,17 +4,24 @@ the recipe, which imports them."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from speculators_train import engines
+from speculators_train.engines.base import MAX_DRAFT_TOKENS
+from speculators_train.engines.llamacpp.settings import LlamaCppConfig
+from speculators_train.engines.vllm.settings import VllmConfig
 from speculators_train.schema import Section
 
-# The most draft tokens one verify step may carry (chain K, tree depth), and the most nodes a tree may verify: far
-# above what pays on any engine (vLLM and SGLang recipes use K <= 8, EAGLE's trees 60-ish nodes), low enough that a
-# typo cannot make every step a forward of thousands of positions.
-MAX_DRAFT_TOKENS = 64
+# The most nodes a tree may verify (EAGLE's trees are 60-ish nodes), beside the most draft tokens of one step
+# (`MAX_DRAFT_TOKENS`): low enough that a typo cannot make every step a forward of thousands of positions.
 MAX_TREE_BUDGET = 1024
+
+# `native` is this toolkit's own loop; every other value is a registered engine that `verify` runs (sorted, so the
+# choices read as they always have whatever the registry's order).
+ENGINE_CHOICES = ("native", *sorted(engines.verifying()))
+EngineName = Literal[ENGINE_CHOICES]
 
 
 class TreeConfig(Section):
@@ -26,67 +33,6 @@ class TreeConfig(Section):
         description="dynamic: each step keeps the `budget` most probable paths (any draft); other shapes belong to "
         "a family (its settings' tree_shapes), e.g. one fixed tree built from held-out per-head rank accuracies.",
     )
-
-
-class LlamaCppConfig(Section):
-    """`verify --engine llama.cpp`: the suites decoded by llama-server, target-only and speculatively."""
-
-    targets: list[Literal["gguf", "f32"]] = Field(
-        default_factory=lambda: ["gguf", "f32"],
-        min_length=1,
-        description="gguf: the GGUF file the recipe's target names, as served; f32: an unquantized GGUF made once "
-        "from the dequantised weights. llama.cpp's greedy output can fork with the verify batch width (often on "
-        "quantized kernels, at near-ties on f32): each record gives the first divergence.",
-    )
-    speculative_tokens: list[int] = Field(
-        default_factory=lambda: [1, 2, 3, 4, 5, 6, 7],
-        min_length=1,
-        description="K values run with the draft (one server each).",
-    )
-    baselines: list[Literal["ngram-simple", "ngram-cache", "ngram-mod"]] = Field(
-        default_factory=lambda: ["ngram-simple", "ngram-cache", "ngram-mod"],
-        description="llama.cpp's draftless methods run on the same prompts, with their defaults.",
-    )
-    threads: int | None = Field(None, gt=0, description="llama.cpp threads; default: every core this process has.")
-
-    @field_validator("speculative_tokens")
-    @classmethod
-    def _ks(cls, value: list[int]) -> list[int]:
-        if any(k < 1 or k > MAX_DRAFT_TOKENS for k in value):
-            raise ValueError(f"each K must be >= 1 and <= {MAX_DRAFT_TOKENS}")
-        return value
-
-
-class VllmConfig(Section):
-    """`verify --engine vllm`: the suites decoded by vLLM (the target's HF folder), target-only and speculatively."""
-
-    speculative_tokens: list[int] | None = Field(
-        None,
-        min_length=1,
-        description="K values run with the draft (one engine each); default: [eval.num_speculative_tokens].",
-    )
-    batch: bool = Field(
-        True,
-        description="Besides one request at a time (latency), decode each suite's prompts all at once (a batch: "
-        "where speculation is said to stop paying), as a second record.",
-    )
-    baselines: list[Literal["ngram", "suffix"]] = Field(
-        default_factory=lambda: ["ngram"],
-        description="vLLM's draftless methods run on the same prompts (`suffix` needs the arctic-inference package).",
-    )
-    max_model_len: int = Field(2048, gt=0, description="Longest prompt + reply vLLM plans for.")
-    kv_cache_gib: int = Field(1, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU (GiB); ignored on GPU.")
-    intel_openmp: bool = Field(
-        True,
-        description="Preload the Intel OpenMP runtime vllm-cpu installs (vLLM asks for it for spec decode on CPU).",
-    )
-
-    @field_validator("speculative_tokens")
-    @classmethod
-    def _ks(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and (not value or any(k < 1 or k > MAX_DRAFT_TOKENS for k in value)):
-            raise ValueError(f"a non-empty list of K, each >= 1 and <= {MAX_DRAFT_TOKENS}")
-        return value
 
 
 class EvalConfig(Section):
@@ -122,7 +68,7 @@ class EvalConfig(Section):
     )
     num_prompts: int | None = Field(None, gt=0, description="Override every suite's prompt count.")
     max_new_tokens: int | None = Field(None, gt=0, description="Override every suite's generation length.")
-    engine: Literal["native", "llama.cpp", "vllm"] = Field(
+    engine: EngineName = Field(
         "native",
         description="native: this toolkit's loop on the target in transformers; llama.cpp: llama-server on the "
         "target's GGUF with the draft exported to GGUF (EAGLE-3), greedy; vllm: vLLM on the target's HF folder "
@@ -137,3 +83,7 @@ class EvalConfig(Section):
         if not value or any(t < 0 for t in value):
             raise ValueError("must be a non-empty list of temperatures >= 0")
         return value
+
+    def engine_problems(self, recipe: Any) -> list[str]:
+        """The rules `engine` holds `recipe` to (its `Engine.recipe_problems`; the loop's are the recipe's own)."""
+        return [] if self.engine == "native" else engines.get(self.engine).recipe_problems(recipe)

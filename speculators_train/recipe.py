@@ -78,8 +78,6 @@ class Recipe(Section):
             problems.append(f"eval.tree.shape {self.eval.tree.shape!r}: {name} drafts grow {list(draft.tree_shapes)}")
         if self.training.init_from and not draft.fine_tunes:
             problems.append(f"training.init_from: {name} drafts start fresh; remove it")
-        if self.eval.draft_p_min and self.eval.engine == "vllm":
-            problems.append("eval.draft_p_min: vLLM has no such stop; verify with 'llama.cpp' or 'native'")
         if self.eval.draft_p_min and self.eval.engine == "native" and not draft.predicts_acceptance:
             problems.append(
                 f"eval.draft_p_min: this loop stops chains only by a confidence head, which {name} drafts lack "
@@ -91,15 +89,11 @@ class Recipe(Section):
                 "training.select scores stored samples with the draft it fine-tunes: it needs training.init_from and "
                 "generation.hidden_states: offline"
             )
-        if self.eval.engine == "vllm" and draft.vllm_format is None:
-            problems.append(
-                f"eval.engine 'vllm': vLLM serves no {draft.family} draft (no format of this family is one its "
-                f"engine runs as a speculative method); verify with 'native'"
-            )
         return problems
 
     def _engine_problems(self) -> list[str]:
-        """Rules on which engine regenerates, captures and verifies, against the target and each other."""
+        """Rules on which engine regenerates, captures and verifies, against the target and each other (the verifying
+        engine's own: `Engine.recipe_problems`)."""
         problems = []
         regen = self.data.regenerate
         if regen.enabled and regen.engine == "llama.cpp" and gguf_file(self.target) is None:
@@ -132,9 +126,7 @@ class Recipe(Section):
                 )
         elif self.generation.tensor_parallel_size > 1:
             problems.append("generation.tensor_parallel_size: only generation.engine 'vllm' splits the target")
-        if self.eval.engine == "vllm" and self.eval.mode == "tree":
-            problems.append("eval.engine 'vllm': vLLM drafts chains here; set eval.mode: chain")
-        return problems
+        return problems + self.eval.engine_problems(self)
 
     @property
     def run_dir(self) -> Path:

@@ -146,7 +146,8 @@ def regenerate_vllm(
     """Same conversations with every assistant turn produced by vLLM's offline batch generation on the target's HF
     folder `model`: each turn's requests go in one call (vLLM schedules them together), prompts rendered by the
     same chat template and sent as token ids, request i of a turn sampled with seed `seed + i`. An open
-    `engines.vllm.Engine` on that folder may be passed in (`replying_engine`: a stage opens one for all its chunks).
+    `engines.vllm.offline.Engine` on that folder may be passed in (`replying_engine`: a stage opens one for all its
+    chunks).
     """
     tokenizer = chat.tokenizer
 
@@ -166,11 +167,11 @@ def regenerate_vllm(
 def replying_engine(model: Path, max_length: int, seed: int):
     """A vLLM engine on `model` for `regenerate_vllm`, which a stage opens once and passes to every chunk (each
     start costs a minute or more); replies are seeded per request, so they do not depend on which chunk opened it."""
-    from speculators_train.engines import vllm
+    from speculators_train.engines.vllm.offline import Engine
 
     # On a GPU, vLLM shares the device with the transformers copy that captures the hidden states.
     share = 0.5 if torch.cuda.is_available() else None
-    return vllm.Engine(model, max_model_len=max_length, seed=seed, gpu_memory_utilization=share)
+    return Engine(model, max_model_len=max_length, seed=seed, gpu_memory_utilization=share)
 
 
 def _decoded(tokenizer, sequences: list[list[int]], pad_id: int | None = None) -> list[str]:

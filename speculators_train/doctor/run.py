@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from speculators_train.architectures import recurrent_layers, text_config
+from speculators_train import engines
+from speculators_train.architectures import recurrent_layers
 from speculators_train.data.chat import Chat
 from speculators_train.data.splits import load_splits
 from speculators_train.doctor.acceptance import (
@@ -21,11 +22,10 @@ from speculators_train.doctor.acceptance import (
 from speculators_train.doctor.classes import acceptance_by_class, check_classes
 from speculators_train.doctor.curve import check_curve, curve_points
 from speculators_train.doctor.data import check_data, check_verifier, check_vocab_map
-from speculators_train.doctor.gguf import check_gguf
 from speculators_train.doctor.k import batch_costs, check_engine_k, check_k, check_sweep
 from speculators_train.doctor.report import Check, write
 from speculators_train.doctor.requests import check_rendering, check_system_prompt, read_requests
-from speculators_train.doctor.serve import check_export, check_sglang, check_vllm
+from speculators_train.doctor.serve import ServedExport, check_export
 from speculators_train.doctor.sweep import sweep_k
 from speculators_train.errors import UserError
 from speculators_train.export.k import loop_record, measured
@@ -51,8 +51,6 @@ from speculators_train.target import Target, load_target
 from speculators_train.verify.decoder import SpeculativeDecoder
 from speculators_train.verify.run import eos_ids, load_draft_for
 from speculators_train.verify.suites import Suite, load_suite
-
-ENGINES = ("vllm", "llama.cpp")  # the engines `verify` runs (`eval.engine`), each with its own records
 
 
 @dataclass(frozen=True)
@@ -121,17 +119,11 @@ def serve_checks(recipe: Recipe, loaded: LoadedDraft, export: Path, on_disk: dic
     verifier, architectures = written_verifier(recipe, target_config, resolve_origin(recipe.target)[1])
     # the K is a serving choice (`export` may write the measured best): the fresh write takes the export's own
     k = proposal_k(on_disk) or loaded.family.draft_tokens(loaded.draft, recipe.eval.num_speculative_tokens)
-    fresh = fmt.write(loaded.draft, served_dtype(on_disk, recipe.export.dtype), verifier, architectures, k)
+    dtype = served_dtype(on_disk, recipe.export.dtype)
+    fresh = fmt.write(loaded.draft, dtype, verifier, architectures, k)
     checks = check_export(loaded, fmt, export, on_disk, fresh)
-    if engine == "sglang":
-        checks.append(check_sglang(fmt, loaded, on_disk, text_config(target_config).num_hidden_layers))
-    if engine == "llama.cpp":
-        checks.append(check_gguf(recipe, loaded, export, served_dtype(on_disk, recipe.export.dtype)))
-    if engine == "vllm":
-        try:
-            checks.append(check_vllm(on_disk, fresh[0]))
-        except ImportError:
-            checks.append(Check("vLLM reads the export as trained", "skip", "vLLM is not installed here"))
+    if (check := engines.get(engine).doctor()) is not None:
+        checks.append(check(ServedExport(recipe, loaded, fmt, export, on_disk, fresh, target_config, dtype)))
     return checks
 
 
@@ -159,7 +151,7 @@ def engine_checks(recipe: Recipe, loaded: LoadedDraft, served: int | None, engin
     """The K and the free baselines of each engine's newest verify run of this checkpoint (`engine`, the one
     served, is named as skipped where it has none)."""
     checks = []
-    for name in ENGINES:
+    for name in engines.verifying():  # each engine `verify` runs keeps records of its own
         report = latest_verify_report(recipe, loaded.path, name)
         if report is not None:
             batches = sorted({r.get("batch", 1) for r in report[1]} | {1})

@@ -17,7 +17,7 @@ from typing import Any
 
 from safetensors.torch import save_file
 
-from speculators_train import __version__
+from speculators_train import __version__, engines
 from speculators_train.architectures import text_config
 from speculators_train.engines.serving import served_commands
 from speculators_train.errors import UserError
@@ -72,11 +72,10 @@ def latest_verify_report(
 
 
 def served_engine(export_format: ExportFormat, out: Path, k: int) -> str:
-    """The engine whose verify runs decide an export's K: llama.cpp for a draft file beside a GGUF target, vLLM
-    for a format it serves, else the native loop."""
-    if export_format.draft_file:
-        return "llama.cpp"
-    return "vllm" if export_format.vllm_speculative_config(out, k) is not None else "native"
+    """The engine whose verify runs decide an export's K: the engine of its format where that engine's records
+    decide it (llama.cpp for a draft file beside a GGUF target, vLLM for a format it serves), else the native loop."""
+    engine = engines.for_format(export_format.name)
+    return engine.name if engine.verifies and engine.decides_k(export_format, out, k) else "native"
 
 
 def serving_k(recipe: Recipe, checkpoint: Path, engine: str, asked: int, force_k: bool) -> tuple[int, list[str]]:

@@ -75,9 +75,9 @@ class VllmCapture:
         if gpus is not None:
             environment["CUDA_VISIBLE_DEVICES"] = gpus
         share = 0.45 if device.type == "cuda" and regen.enabled and regen.engine == "vllm" else None
-        from speculators_train.engines import vllm
+        from speculators_train.engines.vllm.offline import Engine
 
-        self.engine = vllm.Engine(
+        self.engine = Engine(
             Path(resolve_origin(recipe.target)[0]),
             {
                 "method": "extract_hidden_states",

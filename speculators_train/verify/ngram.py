@@ -8,7 +8,7 @@ import torch
 from speculators_train.proposal import DraftTree, Sampling, TreeSpec
 from speculators_train.target import NO_STATES
 
-# vLLM's documented n-gram settings, which `verify --engine vllm` also runs (`vllm_run.NGRAM`)
+# vLLM's documented n-gram settings, which `verify --engine vllm` also runs (`engines/vllm/verify.py`)
 LOOKUP_MAX, LOOKUP_MIN = 4, 2
 
 

@@ -51,6 +51,15 @@ def per_request_al(values: list[float | None]) -> dict[str, Any]:
     }
 
 
+def first_divergence(spec: list[int], base: list[int]) -> int | None:
+    """Index of the first token where two outputs differ (None: identical); an engine's greedy records give it per
+    prompt, since its output can fork from target-only decoding with the verify batch width."""
+    for i, (a, b) in enumerate(zip(spec, base, strict=False)):
+        if a != b:
+            return i
+    return None if len(spec) == len(base) else min(len(spec), len(base))
+
+
 def score(
     suite: str,
     shape: str,

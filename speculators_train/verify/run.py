@@ -17,6 +17,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from speculators_train import engines
 from speculators_train.engines.serving import serving
 from speculators_train.errors import UserError
 from speculators_train.eval_config import EvalConfig
@@ -177,21 +178,12 @@ def verify(recipe: Recipe, draft_path: Path, out_dir: Path | None = None) -> tup
     dump = recipe.model_dump(mode="json")
     atomic_write_bytes(out_dir / "recipe.yaml", yaml.safe_dump(dump, sort_keys=False).encode())
     write_run_info(out_dir / RUN_INFO, dump)
-    if ev.engine == "vllm":
-        from speculators_train.verify.vllm_run import run_vllm
-
-        del target  # vLLM runs the target from here on; free the transformers copy
-        records = run_vllm(recipe, suites, loaded, out_dir)
-        write_outputs(out_dir, records)
-        return out_dir, records
-    if ev.engine == "llama.cpp":
-        from speculators_train.verify.llamacpp_run import run_llamacpp
-
-        del target  # llama.cpp runs the target from here on; free the transformers copy
-        records = run_llamacpp(recipe, suites, loaded, out_dir)
-        write_outputs(out_dir, records)
-        return out_dir, records
-    records = run_native(recipe, target, loaded, suites, draft_path)
+    if ev.engine == "native":
+        records = run_native(recipe, target, loaded, suites, draft_path)
+    else:
+        run = engines.get(ev.engine).runner()
+        del target  # the engine runs the target from here on; free the transformers copy
+        records = run(recipe, suites, loaded, out_dir)
     write_outputs(out_dir, records)
     return out_dir, records
 

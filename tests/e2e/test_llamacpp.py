@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from speculators_train.engines.llamacpp.server import Completion, Server, draft_args, parse_metrics
+from speculators_train.engines.llamacpp.verify import f32_gguf, record, settings
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
 from speculators_train.families import get
@@ -16,7 +17,7 @@ from speculators_train.families.vocab import draft_to_target
 from speculators_train.origin import resolve_origin
 from speculators_train.recipe import load_recipe
 from speculators_train.training.checkpoint import save_checkpoint
-from speculators_train.verify.llamacpp_run import f32_gguf, first_divergence, record, settings
+from speculators_train.verify.report import first_divergence
 from tests.conftest import SHAREGPT, make_recipe, start_of
 
 

@@ -8,6 +8,8 @@ import pytest
 from transformers import AutoConfig
 
 from speculators_train.engines import serving
+from speculators_train.engines.llamacpp import serving as llamacpp
+from speculators_train.engines.vllm import serving as vllm
 
 
 def config(model_type: str, architecture: str, **values):
@@ -28,23 +30,23 @@ def test_llamacpp_graphs_that_export_layer_inputs_are_read_from_its_sources(llam
     """llama.cpp runs an EAGLE-3 or DFlash draft only on a target whose graph sets `t_layer_inp`: Llama, Qwen3,
     Qwen3-MoE and gpt-oss do in the vendored release; Qwen2, Gemma-3, Phi-3 and Llama-4 do not (llama-server
     aborts on them)."""
-    exporting = serving._layer_input_archs()
+    exporting = llamacpp._layer_input_archs()
     assert {"llama", "qwen3", "qwen3moe", "gpt-oss"} <= set(exporting)
     assert not {"qwen2", "gemma3", "phi3", "llama4"} & set(exporting)
 
 
 def test_llamacpp_converter_names_the_gguf_architecture_of_an_hf_target(llamacpp_archive):
-    assert serving.converted_architecture("Qwen2ForCausalLM") == "qwen2"
-    assert serving.converted_architecture("GptOssForCausalLM") == "gpt-oss"
-    assert serving.converted_architecture("NoSuchModelForCausalLM") is None
+    assert llamacpp.converted_architecture("Qwen2ForCausalLM") == "qwen2"
+    assert llamacpp.converted_architecture("GptOssForCausalLM") == "gpt-oss"
+    assert llamacpp.converted_architecture("NoSuchModelForCausalLM") is None
 
 
 def test_llamacpp_refuses_a_state_reading_draft_on_a_target_that_exports_no_layer_inputs(llamacpp_archive):
     qwen2 = config("qwen2", "Qwen2ForCausalLM")
-    answer = serving.llamacpp_serving(qwen2, None, reads_target_states=True)
+    answer = llamacpp.llamacpp_serving(qwen2, None, reads_target_states=True)
     assert answer.problems and "qwen2 graph does not export layer inputs" in answer.problems[0]
-    assert serving.llamacpp_serving(qwen2, None, reads_target_states=False).runs_here  # a plain draft model
-    assert serving.llamacpp_serving(config("llama", "LlamaForCausalLM"), None, True).runs_here
+    assert llamacpp.llamacpp_serving(qwen2, None, reads_target_states=False).runs_here  # a plain draft model
+    assert llamacpp.llamacpp_serving(config("llama", "LlamaForCausalLM"), None, True).runs_here
 
 
 @pytest.fixture(scope="module")
@@ -52,26 +54,26 @@ def vllm_answers():
     """vLLM asked once for every architecture below (one child process; answers cached per vLLM version)."""
     archs = ["LlamaForCausalLM", "Gemma2ForCausalLM", "DeepseekV3ForCausalLM", "Qwen2_5_VLForConditionalGeneration"]
     archs += ["Glm4MoeForCausalLM", "Qwen3NextForCausalLM"]
-    return serving.vllm_facts(archs)
+    return vllm.vllm_facts(archs)
 
 
 def test_vllm_needs_supports_eagle3_for_a_draft_that_reads_target_states(vllm_answers):
     """vLLM 0.32 runs Gemma-2 as its own Gemma2ForCausalLM, which does not implement SupportsEagle3: EAGLE-3,
     P-EAGLE and DFlash drafts are refused; a Medusa head or a draft model (no intermediate states) is not."""
     gemma2 = config("gemma2", "Gemma2ForCausalLM")
-    answer = serving.vllm_serving(gemma2, reads_target_states=True, own_attention=True)
+    answer = vllm.vllm_serving(gemma2, reads_target_states=True, own_attention=True)
     assert answer.problems and "SupportsEagle3" in answer.problems[0]
-    assert not serving.vllm_serving(gemma2, reads_target_states=False, own_attention=False).problems
-    assert serving.vllm_serving(config("llama", "LlamaForCausalLM"), True, True).runs_here
+    assert not vllm.vllm_serving(gemma2, reads_target_states=False, own_attention=False).problems
+    assert vllm.vllm_serving(config("llama", "LlamaForCausalLM"), True, True).runs_here
 
 
 def test_vllm_on_cpu_cannot_pair_an_mla_target_with_a_draft_of_its_own_attention(vllm_answers):
     deepseek = config("deepseek_v3", "DeepseekV3ForCausalLM")
-    answer = serving.vllm_serving(deepseek, reads_target_states=True, own_attention=True)
+    answer = vllm.vllm_serving(deepseek, reads_target_states=True, own_attention=True)
     assert not answer.problems  # a GPU build serves it
     if vllm_answers["DeepseekV3ForCausalLM"]["cpu"]:
         assert answer.here and "MLA" in answer.here[0]
-    assert not serving.vllm_serving(deepseek, reads_target_states=False, own_attention=False).here
+    assert not vllm.vllm_serving(deepseek, reads_target_states=False, own_attention=False).here
 
 
 def test_vllm_serves_an_mtp_head_only_where_it_maps_the_target_to_an_mtp_class_of_the_heads_style(vllm_answers):
@@ -81,19 +83,19 @@ def test_vllm_serves_an_mtp_head_only_where_it_maps_the_target_to_an_mtp_class_o
 
     deepseek, qwen = STYLE_CLASSES["deepseek"], STYLE_CLASSES["qwen3_next"]
     glm = config("glm4_moe", "Glm4MoeForCausalLM")
-    assert serving.vllm_serving(glm, False, False, nextn_classes=deepseek).runs_here
-    other = serving.vllm_serving(glm, False, False, nextn_classes=qwen)
+    assert vllm.vllm_serving(glm, False, False, nextn_classes=deepseek).runs_here
+    other = vllm.vllm_serving(glm, False, False, nextn_classes=qwen)
     assert other.problems and "with Glm4MoeMTPModel, whose weight layout is not this export's" in other.problems[0]
-    none = serving.vllm_serving(config("llama", "LlamaForCausalLM"), False, False, nextn_classes=deepseek)
+    none = vllm.vllm_serving(config("llama", "LlamaForCausalLM"), False, False, nextn_classes=deepseek)
     assert none.problems == [
         "vLLM has no MTP model for the target's architecture (its `hf_config_override` maps it to none)"
     ]
     next_ = config("qwen3_next", "Qwen3NextForCausalLM")
-    assert not serving.vllm_serving(next_, False, False, nextn_classes=qwen).problems
-    other = serving.vllm_serving(next_, False, False, nextn_classes=deepseek)
+    assert not vllm.vllm_serving(next_, False, False, nextn_classes=qwen).problems
+    other = vllm.vllm_serving(next_, False, False, nextn_classes=deepseek)
     assert other.problems and "with Qwen3NextMTP, whose weight layout is not this export's" in other.problems[0]
     v3 = config("deepseek_v3", "DeepseekV3ForCausalLM")
-    assert not serving.vllm_serving(v3, False, False, nextn_classes=deepseek).problems
+    assert not vllm.vllm_serving(v3, False, False, nextn_classes=deepseek).problems
 
 
 def test_a_multimodal_class_vllm_cannot_load_here_is_said_to_fail_here_only(vllm_answers):
@@ -101,7 +103,7 @@ def test_a_multimodal_class_vllm_cannot_load_here_is_said_to_fail_here_only(vllm
     have: serving them is a question of this machine, not of the draft."""
     vl = AutoConfig.for_model("qwen2_5_vl")
     vl.architectures = ["Qwen2_5_VLForConditionalGeneration"]
-    answer = serving.vllm_serving(vl, reads_target_states=True, own_attention=True)
+    answer = vllm.vllm_serving(vl, reads_target_states=True, own_attention=True)
     assert not answer.problems
     if "error" in vllm_answers["Qwen2_5_VLForConditionalGeneration"]:
         assert answer.here and "cannot load" in answer.here[0]

@@ -134,7 +134,7 @@ ENGINES = {  # engine: (the recipe settings of a short run, the call at which SI
     "vllm": (
         ["eval.num_prompts=1", "eval.max_new_tokens=8", "eval.vllm.batch=false", "eval.vllm.baselines=[]",
          "eval.vllm.max_model_len=512"],
-        "speculators_train.engines.vllm:Engine.generate",
+        "speculators_train.engines.vllm.offline:Engine.generate",
     ),
 }  # fmt: skip
 

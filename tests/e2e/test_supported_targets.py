@@ -1,7 +1,7 @@
 """The supported-targets table of docs/targets.md, generated from the target matrix (tests/targets.py) and the
-engines' own answers (`engines/serving.py`: vLLM's registry, llama.cpp's converter and sources): a change of either
-that the page does not show fails here. `SPECULATORS_TRAIN_WRITE_README=1 pytest tests/test_supported_targets.py`
-rewrites the table."""
+engines' own answers (`engines/<name>/serving.py`: vLLM's registry, llama.cpp's converter and sources): a change of
+either that the page does not show fails here. `SPECULATORS_TRAIN_WRITE_README=1 pytest
+tests/test_supported_targets.py` rewrites the table."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 
 from speculators_train.architectures import recurrent_layers
 from speculators_train.engines import serving
+from speculators_train.engines.vllm.serving import vllm_facts
 from speculators_train.families import FAMILIES, get
 from tests.conftest import REPO
 from tests.targets import MATRIX, config_of
@@ -59,7 +60,7 @@ def cell(config, family: str, notes: list[str]) -> str:
 
 
 def table() -> str:
-    serving.vllm_facts([config_of(arch).architectures[0] for arch in MATRIX])  # one vLLM start for every row
+    vllm_facts([config_of(arch).architectures[0] for arch in MATRIX])  # one vLLM start for every row
     notes: list[str] = []
     head = ["target (what it stands for)", *(f"`{family}`" for family in FAMILIES)]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from speculators_train.engines.vllm import Completion, Decoded, SpecCounts, spec_counts
+from speculators_train.engines.vllm.offline import Completion, Decoded, SpecCounts, spec_counts
+from speculators_train.engines.vllm.verify import NGRAM, record, settings
 from speculators_train.errors import UserError
 from speculators_train.families import FAMILIES, get, settings_types
 from speculators_train.families.drafts import load_draft
 from speculators_train.recipe import load_recipe
-from speculators_train.verify.vllm_run import NGRAM, record, settings
 from tests.conftest import REPO, SHAREGPT, make_recipe, tiny_config
 
 MAX_NEW = 48
@@ -161,7 +161,7 @@ def test_an_engine_started_in_this_process_leaves_the_next_one_its_own_settings(
     import vllm
     from vllm import envs
 
-    from speculators_train.engines.vllm import Engine
+    from speculators_train.engines.vllm.offline import Engine
 
     seen = []
 
@@ -194,7 +194,7 @@ def test_an_engine_started_in_this_process_leaves_the_next_one_its_own_settings(
 def reference(target, tmp_path_factory):
     """vLLM's own target-only greedy output for the fitted prompt (one engine start for the module)."""
     from speculators_train.data.chat import Chat
-    from speculators_train.engines.vllm import Engine
+    from speculators_train.engines.vllm.offline import Engine
     from speculators_train.origin import resolve_origin
     from speculators_train.verify.suites import chat_ids
     from tests.conftest import PROMPT
@@ -247,7 +247,7 @@ def test_vllm_serves_each_family_from_the_printed_command_with_the_targets_outpu
 ):
     """The export, the `vllm serve` line `export` prints, run offline as `LLM(speculative_config=...)`: vLLM loads
     the draft with its own code, accepts its drafts, and gives exactly its target-only greedy output."""
-    from speculators_train.engines.vllm import Engine
+    from speculators_train.engines.vllm.offline import Engine
 
     hf_dir, prompt, alone = reference
     recipe, checkpoint, fitted_prompt, _ = fitted(family)
@@ -313,7 +313,7 @@ def test_vllm_reads_a_gpu_only_export_as_trained_and_its_cpu_build_stops_where_i
     serves it from the printed line."""
     from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
 
-    from speculators_train.engines.vllm import Engine
+    from speculators_train.engines.vllm.offline import Engine
     from speculators_train.errors import UserError
 
     hf_dir, _, _ = reference
@@ -339,7 +339,7 @@ def test_vllm_serves_an_eagle3_draft_over_the_targets_whole_vocabulary(target, r
     """What only this proves: vLLM loads an EAGLE-3 export whose vocabulary is the target's whole one (its model
     then holds no d2t, and a file shipping one fails to load) and decodes the target's own greedy output. Random
     weights from the target's head: the output is the point, not the acceptance."""
-    from speculators_train.engines.vllm import Engine
+    from speculators_train.engines.vllm.offline import Engine
     from speculators_train.head import load_head_weights
     from speculators_train.training.checkpoint import save_checkpoint
     from tests.conftest import start_of
@@ -401,7 +401,7 @@ def test_vllm_serves_the_printed_eagle3_line_on_each_architecture_class(tmp_path
     which the draft was fitted to: one engine start each)."""
     from dataclasses import replace
 
-    from speculators_train.engines.vllm import Engine
+    from speculators_train.engines.vllm.offline import Engine
     from speculators_train.families.drafts import load_draft
     from tests.conftest import fit
     from tests.integration.test_targets import load, matrix_recipe
@@ -429,7 +429,7 @@ def test_vllm_serves_our_mtp_head_on_a_glm_target_with_its_output_and_our_accept
     """What only this proves: an MTP head started from a GLM-4.5-style target's own MTP layer and fitted to its
     reply is exported in the layout vLLM's `method: mtp` reads for that target (`Glm4MoeMTPModel`), and vLLM drafts
     with it exactly as our loop does: the target's greedy output, the same drafts accepted (AL within 2%)."""
-    from speculators_train.engines.vllm import Engine
+    from speculators_train.engines.vllm.offline import Engine
     from speculators_train.proposal import Sampling
     from speculators_train.verify.decoder import SpeculativeDecoder
     from speculators_train.verify.run import eos_ids, load_draft_for
@@ -475,7 +475,7 @@ def test_vllm_serves_our_qwen3_next_style_mtp_head_from_its_mtp_layout_and_accep
     loop does not run a recurrent target, so acceptance is vLLM's alone."""
     from dataclasses import replace
 
-    from speculators_train.engines.vllm import Engine
+    from speculators_train.engines.vllm.offline import Engine
     from speculators_train.verify.run import load_draft_for
     from tests.conftest import fit, prompt_ids
     from tests.integration.test_targets import load, matrix_recipe

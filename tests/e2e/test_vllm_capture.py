@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from speculators_train.engines import vllm
+from speculators_train.engines.vllm import offline as vllm
 from speculators_train.hidden_states.shards import HiddenStateShards, read_manifest, validate
 from speculators_train.recipe import load_recipe
 from speculators_train.training.trainer import Trainer

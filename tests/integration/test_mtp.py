@@ -128,10 +128,10 @@ def test_a_qwen3_next_style_head_is_written_in_the_mtp_layout_and_read_back_from
 
     from safetensors.torch import save_file
 
+    from speculators_train.engines.vllm.verify import run_vllm
     from speculators_train.errors import UserError
     from speculators_train.families.base import LoadedDraft
     from speculators_train.recipe import load_recipe
-    from speculators_train.verify.vllm_run import run_vllm
     from tests.conftest import SHAREGPT, make_recipe
     from tests.targets import BY_NAME, build
 

@@ -85,9 +85,9 @@ def test_llamacpp_regeneration_answers_each_turn_from_the_served_gguf(target, tm
     no token-level equality is asserted."""
     from speculators_train.data.regenerate import regenerate_llamacpp
     from speculators_train.engines.llamacpp.server import Server
+    from speculators_train.engines.llamacpp.verify import f32_gguf
     from speculators_train.origin import gguf_file, resolve_origin
     from speculators_train.recipe import TargetConfig
-    from speculators_train.verify.llamacpp_run import f32_gguf
 
     tok = target.tokenizer
     convs = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from gguf import GGUFReader, GGUFWriter
 
-from speculators_train.engines.serving import leading_string
+from speculators_train.engines.llamacpp.serving import leading_string
 
 
 def write(path, arch_after_vocabulary: bool = False, endianess=None) -> None:

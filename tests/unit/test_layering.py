@@ -38,17 +38,26 @@ def _imports(tree: ast.Module, module: str, type_only: bool = True) -> set[str]:
     return {name for name in out if name.startswith("speculators_train.")}
 
 
+# The modules of an engine folder that run a stage through the engine: they use the stages above the engines'
+# layer, and an engine names them as "module:attr" strings (`engines/base.py`), never by an import from below.
+ENGINE_STAGES = ("verify", "doctor")
+
+
 def _unit(module: str) -> str:
     """The layering unit of a module: the stage package or top-level module right under speculators_train. A stage's
     `config` module (its recipe section, plain data the recipe composes) is a unit of its own, `<stage>.config`: the
-    stage imports the recipe, and the recipe imports the section, never the stage."""
+    stage imports the recipe, and the recipe imports the section, never the stage. So is each engine folder's
+    `verify` and `doctor` module, `engines.verify` and `engines.doctor`: the engine's part of those stages."""
     parts = module.split(".")
+    if len(parts) > 3 and parts[1] == "engines" and parts[3] in ENGINE_STAGES:
+        return f"engines.{parts[3]}"
     return f"{parts[1]}.config" if len(parts) > 2 and parts[2] == "config" else parts[1]
 
 
 def unit_graph(type_only: bool = True) -> dict[str, set[str]]:
     known = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or p.is_dir()}
     known |= {f"{p.parent.name}.config" for p in PACKAGE.glob("*/config.py")}
+    known |= {f"engines.{stage}" for stage in ENGINE_STAGES}
     graph: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(REPO).with_suffix("").parts

@@ -34,9 +34,9 @@ def test_a_tree_is_the_lookup_as_one_chain():
 def test_vllms_suffix_baseline_runs_with_its_own_settings_or_is_refused_by_name(monkeypatch, tmp_path):
     import importlib.util
 
+    from speculators_train.engines.vllm import verify as vllm_run
     from speculators_train.errors import UserError
     from speculators_train.recipe import load_recipe
-    from speculators_train.verify import vllm_run
     from tests.conftest import REPO
 
     recipe = load_recipe(REPO / "recipes" / "eagle3.yaml", {"eval.vllm.baselines": ["ngram", "suffix"]})
@@ -44,7 +44,7 @@ def test_vllms_suffix_baseline_runs_with_its_own_settings_or_is_refused_by_name(
     k = recipe.eval.num_speculative_tokens
     assert runs["suffix"] == {"method": "suffix", "num_speculative_tokens": k}  # no prompt-lookup settings
     assert runs["ngram"]["prompt_lookup_max"] == 4
-    monkeypatch.setattr(vllm_run.vllm, "require", lambda: None)
+    monkeypatch.setattr(vllm_run.offline, "require", lambda: None)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "arctic_inference" else real(name))
     with pytest.raises(UserError, match=r"eval\.vllm\.baselines: `suffix`.*arctic-inference"):

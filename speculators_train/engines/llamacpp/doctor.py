@@ -1,4 +1,4 @@
-"""Train against serve for llama.cpp: the export's `draft.gguf` read through `gguf.GGUFReader` (llama.cpp's own
+"""Doctor for llama.cpp, train against serve: the export's `draft.gguf` read through `gguf.GGUFReader` (llama.cpp's own
 GGUF package) against a GGUF converted now from the trained checkpoint by the same converter, so a metadata key
 (a norm flag, the aux layer ids, the block size) or a tensor that differs is named with the value
 trained and the value llama.cpp will read."""
@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from speculators_train.doctor.report import Check
+from speculators_train.doctor.serve import ServedExport
 from speculators_train.errors import UserError
 from speculators_train.export.run import export as write_export
 from speculators_train.families.base import LoadedDraft
@@ -22,6 +23,10 @@ NAME = "llama.cpp reads the GGUF as trained"
 # of the directory it reads (a version, a finetune), which say nothing of the draft
 SKIPPED = ("GGUF.", "general.name", "general.basename", "general.finetune", "general.version", "general.size_label",
            "general.base_model.")  # fmt: skip
+
+
+def check(served: ServedExport) -> Check:
+    return check_gguf(served.recipe, served.loaded, served.export, served.dtype)
 
 
 def gguf_contents(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

@@ -21,19 +21,17 @@ from typing import Any
 
 from tqdm import tqdm
 
-from speculators_train.engines import vllm
-from speculators_train.engines.serving import serving
+from speculators_train.engines.vllm import offline
+from speculators_train.engines.vllm.engine import ENGINE
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
 from speculators_train.families.base import ExportFormat, LoadedDraft
 from speculators_train.origin import resolve_origin
 from speculators_train.recipe import Recipe
 from speculators_train.target import load_target_config
-from speculators_train.verify.llamacpp_run import first_divergence
-from speculators_train.verify.report import per_request_al, quartiles
+from speculators_train.verify.report import first_divergence, per_request_al, quartiles
 from speculators_train.verify.suites import Suite
 
-ENGINE = "vllm"
 NGRAM = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}  # vLLM's documented n-gram example settings
 # each draftless method's settings beyond K: suffix decoding keeps vLLM's defaults (tree depth 24, capped at K)
 BASELINES: dict[str, dict[str, Any]] = {"ngram": NGRAM, "suffix": {}}
@@ -53,7 +51,7 @@ def refuse_unserved(recipe: Recipe, loaded: LoadedDraft, export_format: ExportFo
     classes = export_format.vllm_mtp_classes(loaded.draft)
     if classes is None:
         return
-    answer = serving(ENGINE, recipe.target, load_target_config(recipe.target), loaded.family.settings, classes)
+    answer = ENGINE.serving(recipe.target, load_target_config(recipe.target), loaded.family.settings, classes)
     if answer.problems:
         raise UserError(f"{loaded.path}: vLLM cannot serve this draft on this target: {'; '.join(answer.problems)}")
 
@@ -82,7 +80,7 @@ def settings(
     return out
 
 
-def _per_prompt_speedups(spec: vllm.Decoded, base: vllm.Decoded, batch: int) -> list[float]:
+def _per_prompt_speedups(spec: offline.Decoded, base: offline.Decoded, batch: int) -> list[float]:
     """Quartiles of each prompt's speedup; with `batch` > 1 every prompt ran in one call and has no time of its own,
     so all three are the call's."""
     if batch != 1:
@@ -96,7 +94,7 @@ def _per_prompt_speedups(spec: vllm.Decoded, base: vllm.Decoded, batch: int) -> 
     )
 
 
-def _rate(decoded: vllm.Decoded) -> float:
+def _rate(decoded: offline.Decoded) -> float:
     return sum(len(c.tokens) for c in decoded.completions) / decoded.seconds
 
 
@@ -107,8 +105,8 @@ def record(
     temperature: float,
     top_p: float,
     batch: int,
-    spec: vllm.Decoded,
-    base: vllm.Decoded,
+    spec: offline.Decoded,
+    base: offline.Decoded,
 ) -> dict[str, Any]:
     """One suite x setting x temperature x batch record, with the native loop's keys where vLLM measures the same
     thing. `batch` 1: one request at a time, each timed alone; otherwise every prompt in one call."""
@@ -120,7 +118,7 @@ def record(
     passes = max(spec_tokens - prompts - counts.accepted, 1)
     spec_rate, base_rate = _rate(spec), _rate(base)
     out = {
-        "engine": ENGINE,
+        "engine": ENGINE.name,
         "target": "hf",
         "batch": batch,
         "suite": suite,
@@ -156,10 +154,10 @@ def record(
     return out
 
 
-Runs = dict[tuple[str, float, int], vllm.Decoded]
+Runs = dict[tuple[str, float, int], offline.Decoded]
 
 
-def decode_all(engine: vllm.Engine, recipe: Recipe, suites: list[Suite], bar: tqdm) -> Runs:
+def decode_all(engine: offline.Engine, recipe: Recipe, suites: list[Suite], bar: tqdm) -> Runs:
     """Every suite x temperature x batch size, after one untimed warm-up request."""
     ev = recipe.eval
     engine.generate([suites[0].prompts[0].ids], 8, 0.0, 1.0, [recipe.seed])
@@ -181,9 +179,9 @@ def decode_all(engine: vllm.Engine, recipe: Recipe, suites: list[Suite], bar: tq
     return out
 
 
-def engine_for(recipe: Recipe, speculative_config: dict[str, Any] | None) -> vllm.Engine:
+def engine_for(recipe: Recipe, speculative_config: dict[str, Any] | None) -> offline.Engine:
     cfg = recipe.eval.vllm
-    return vllm.Engine(
+    return offline.Engine(
         target_dir(recipe),
         speculative_config,
         dtype="float32",
@@ -196,7 +194,7 @@ def engine_for(recipe: Recipe, speculative_config: dict[str, Any] | None) -> vll
 
 def run_vllm(recipe: Recipe, suites: list[Suite], loaded: LoadedDraft | None, out_dir: Path) -> list[dict[str, Any]]:
     """Every (setting, suite, temperature, batch) record; without a draft only the draftless methods run."""
-    vllm.require()
+    offline.require()
     if "suffix" in recipe.eval.vllm.baselines and importlib.util.find_spec("arctic_inference") is None:
         raise UserError(
             "eval.vllm.baselines: `suffix` is vLLM's suffix decoding, which needs the arctic-inference package "
@@ -248,7 +246,7 @@ def _run(
                 r["checkpoint"] = str(loaded.path) if loaded is not None and method == "draft" else None
                 r["speculative_config"] = {**spec_config, "model": str(exported)} if method == "draft" else spec_config
                 r["engine_start_seconds"] = start_seconds
-                r["vllm_version"] = vllm.version()
+                r["vllm_version"] = offline.version()
                 r["device"] = "cpu" if not _cuda() else "cuda"
                 records.append(r)
     return records

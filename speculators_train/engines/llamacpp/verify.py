@@ -20,16 +20,15 @@ from tqdm import tqdm
 
 from speculators_train.engines.llamacpp.build import ensure_built, version
 from speculators_train.engines.llamacpp.converter import convert
+from speculators_train.engines.llamacpp.engine import ENGINE
 from speculators_train.engines.llamacpp.server import Completion, Server, draft_args
 from speculators_train.errors import UserError
 from speculators_train.export.run import export
 from speculators_train.families.base import ExportFormat, LoadedDraft
 from speculators_train.origin import cache_root, gguf_file, resolve_origin
 from speculators_train.recipe import Recipe
-from speculators_train.verify.report import per_request_al, quartiles
+from speculators_train.verify.report import first_divergence, per_request_al, quartiles
 from speculators_train.verify.suites import Suite
-
-ENGINE = "llama.cpp"
 
 
 def target_files(recipe: Recipe) -> dict[str, Path]:
@@ -60,14 +59,6 @@ def f32_gguf(hf_dir: Path) -> Path:
     return out
 
 
-def first_divergence(spec: list[int], base: list[int]) -> int | None:
-    """Index of the first token where two outputs differ (None: identical)."""
-    for i, (a, b) in enumerate(zip(spec, base, strict=False)):
-        if a != b:
-            return i
-    return None if len(spec) == len(base) else min(len(spec), len(base))
-
-
 def record(
     suite: str,
     target_name: str,
@@ -91,7 +82,7 @@ def record(
     divergence = [first_divergence(s.tokens, b.tokens) for s, b in zip(spec, base, strict=True)]
     spec_rate, base_rate = spec_tokens / spec_s, base_tokens / base_s
     return {
-        "engine": ENGINE,
+        "engine": ENGINE.name,
         "target_file": target_file.name,
         "target": target_name,
         "suite": suite,
