@@ -284,3 +284,22 @@ def test_the_places_a_new_engine_touches_are_few_and_exist():
     assert 1 <= len(places) <= 3, places
     for place in places:
         assert (REPO / place).is_file(), place
+
+
+def test_f32_conversions_of_two_folders_of_one_name_are_kept_apart(tmp_path, monkeypatch):
+    """llama.cpp's F32 copy of an HF target is cached per folder, not per folder name: `model/` under two projects,
+    or one folder rewritten in place, must not be served the other's weights."""
+    from speculators_train.engines.llamacpp import verify
+
+    made = []
+    monkeypatch.setenv("SPECULATORS_TRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(verify, "convert", lambda src, out, kind: (made.append(src), out.write_bytes(b"gguf")))
+    a, b = tmp_path / "a" / "model", tmp_path / "b" / "model"
+    for folder, weights in ((a, b"1"), (b, b"2")):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(weights)
+    first, second = verify.f32_gguf(a), verify.f32_gguf(b)
+    assert first != second and made == [a, b]
+    assert verify.f32_gguf(a) == first and len(made) == 2  # converted once
+    (a / "model.safetensors").write_bytes(b"rewritten")
+    assert verify.f32_gguf(a) != first and len(made) == 3

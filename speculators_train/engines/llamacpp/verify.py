@@ -13,6 +13,7 @@ decode pass, drafted or not, which is what the speedup follows.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +53,21 @@ def f32_gguf(hf_dir: Path) -> Path:
     """An unquantized GGUF of the target as transformers holds it (for a GGUF target: its dequantised weights),
     made once by llama.cpp's converter. Its kernels round the same at every batch width except at near-ties, so
     speculative outputs equal target-only ones (the quantized kernels fork often)."""
-    out = cache_root() / "llama.cpp-targets" / f"{hf_dir.name}-f32.gguf"
+    out = cache_root() / "llama.cpp-targets" / f"{hf_dir.name}-{folder_stamp(hf_dir)}-f32.gguf"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         convert(hf_dir, out, "f32")
     return out
+
+
+def folder_stamp(hf_dir: Path) -> str:
+    """Which model folder this is, cheaply: its resolved path and each file's name, size and modification time. Two
+    folders of one name (`model/` under two projects) or a folder rewritten in place get conversions of their own."""
+    digest = hashlib.sha256(str(hf_dir.resolve()).encode())
+    for file in sorted(p for p in hf_dir.iterdir() if p.is_file()):
+        stat = file.stat()
+        digest.update(f"\0{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:12]
 
 
 def record(
