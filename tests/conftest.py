@@ -283,6 +283,22 @@ def own_states(tmp_path_factory, target):
     return recipe.hidden_states_dir
 
 
+SMOLLM2 = {"name_or_path": "smollm2-135m-instruct"}  # a recipe's `target` section for the embedded default
+
+
+@pytest.fixture(scope="session")
+def smollm2_states(tmp_path_factory):
+    """`states` of the embedded default SmolLM2 (recipes that read them set `target=SMOLLM2`): for the few proofs that
+    need a trained model's text, where a draft learns what a random target's repetitive replies cannot teach."""
+    from speculators_train.hidden_states.generator import generate
+    from speculators_train.recipe import load_recipe
+
+    sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}]
+    recipe = load_recipe(make_recipe(tmp_path_factory.mktemp("smollm2-states"), sources, target=SMOLLM2))
+    generate(recipe)
+    return recipe.hidden_states_dir
+
+
 # The trainer's tests (tiers integration and e2e) train on the session's `states` with these settings.
 TRAIN = {
     "batch_size": 4,

@@ -236,6 +236,10 @@ class Arch:
     # where a trained model's are peaked; 8 gives a median top-1 of about 0.7, so a tree's budget follows its best
     # path as it does on a trained target. Greedy output does not change with it.
     final_norm: float | None = None
+    # Ids past the first `frequent` have their (tied) embedding rows scaled by 0.6, so the head ranks them lower: about
+    # 97% of the greedy tokens fall among the first 1,024 ids, as a trained model's fall among BPE's frequent merges,
+    # where a reduced draft vocabulary can reach them. Random weights pick uniformly over 49k ids otherwise.
+    frequent: int | None = None
 
 
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": WIDTH, "norm_topk_prob": True}
@@ -344,10 +348,18 @@ MATRIX = [
 BY_NAME = {arch.name: arch for arch in MATRIX}
 
 # The default test target: the embedded default's architecture class (Llama, tied head, SmolLM2's 49,152-token
-# tokenizer and chat template as shipped) at the matrix's size, with random weights. A stage on it takes a fraction of
-# what SmolLM2-135M's 30 layers take; tests keep SmolLM2 only where the proof needs a trained model.
+# tokenizer and chat template as shipped) at the matrix's size, with random weights shaped as a trained model's
+# statistics are (peaked next-token distributions over frequent ids). A stage on it takes a fraction of what
+# SmolLM2-135M's 30 layers take; tests keep SmolLM2 only where the proof needs a trained model.
 TINY = Arch(
-    "tiny-llama", "llama", "smollm2", {"tie_word_embeddings": True}, ("the default test target",), 49152, final_norm=8.0
+    "tiny-llama",
+    "llama",
+    "smollm2",
+    {"tie_word_embeddings": True},
+    ("the default test target",),
+    49152,
+    final_norm=8.0,
+    frequent=1024,
 )
 
 
@@ -479,9 +491,11 @@ def build(arch: Arch, out: Path) -> Path:
     torch.manual_seed(sum(map(ord, arch.name)) + arch.seed)
     auto = AutoModelForImageTextToText if arch.model_type in VISION_CONFIGS else AutoModelForCausalLM
     model = auto.from_config(config, dtype=torch.float32)
-    if arch.final_norm is not None:
-        with torch.no_grad():
+    with torch.no_grad():
+        if arch.final_norm is not None:
             model.get_decoder().norm.weight.fill_(arch.final_norm)
+        if arch.frequent is not None:
+            model.get_input_embeddings().weight[arch.frequent :] *= 0.7
     generation = model.generation_config
     generation.eos_token_id, generation.bos_token_id = config.get_text_config().eos_token_id, tokenizer.bos_token_id
     generation.pad_token_id = config.get_text_config().pad_token_id

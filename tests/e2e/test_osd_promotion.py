@@ -99,11 +99,12 @@ def complete(version_dir) -> bool:
 def test_a_run_killed_in_every_commit_window_serves_complete_versions_and_consumes_each_record_once(
     tmp_path,
     random_draft,
+    target,
 ):
     init = save_checkpoint(tmp_path / "init", 1, random_draft, None, {"step": 1}, keep_last=1)
     logs = tmp_path / "logs"
     logs.mkdir()
-    (logs / "day1.jsonl").write_text("\n".join(log_lines(tmp_path, 20)) + "\n")
+    (logs / "day1.jsonl").write_text("\n".join(log_lines(tmp_path, target, 20)) + "\n")
     osd = {"init_from": str(init), "update_interval": 10, "steps_per_update": 6, "learning_rate": 4e-3}
     osd.update(held_out_fraction=0.25, general_records=2, buffer_size=6)
     recipe = make_recipe(

@@ -127,7 +127,7 @@ def test_export_to_gguf_ends_the_converter_and_leaves_no_temporary_file(tmp_path
 
 ENGINES = {  # engine: (the recipe settings of a short run, the call at which SIGTERM arrives)
     "llama.cpp": (
-        ["eval.num_prompts=1", "eval.max_new_tokens=8", "eval.llama_cpp.targets=[gguf]",
+        ["eval.num_prompts=1", "eval.max_new_tokens=8", "eval.llama_cpp.targets=[f32]",
          "eval.llama_cpp.speculative_tokens=[1]", "eval.llama_cpp.baselines=[]"],
         "speculators_train.engines.llamacpp.server:Server.complete",
     ),

@@ -316,9 +316,9 @@ CASES = [
     Case(
         "ckpt-kv-heads-not-dividing-heads",
         "ckpt",
-        draft_config("layer_config.num_key_value_heads", 2),
+        draft_config("layer_config.num_key_value_heads", 3),
         "draft_config.json",
-        ("num_key_value_heads 2 must divide layer_config.num_attention_heads 9",),
+        ("num_key_value_heads 3 must divide layer_config.num_attention_heads 4",),
     ),
     Case(
         "ckpt-odd-head-dim",
@@ -871,7 +871,7 @@ LATE = {
     "weights-without-the-model": (
         {"config.json": REAL, "model.safetensors": small_safetensors(a=torch.zeros(2))},
         ("tensor model.embed_tokens.weight not found in",),
-        "its weights lack 273 tensors of the model",
+        "its weights lack 75 tensors of the model",
     ),
 }
 

@@ -22,7 +22,7 @@ from speculators_train.recipe import load_recipe
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.decoder import SpeculativeDecoder, decode_plain
 from speculators_train.verify.run import eos_ids, load_draft_for
-from tests.conftest import SHAREGPT, chat, make_recipe, tiny_config
+from tests.conftest import OWN_REPLIES, SHAREGPT, chat, make_recipe, tiny_config
 from tests.integration.test_families import check_parallel_sampling
 from tests.integration.test_osd_distill import fresh_draft_on_logs
 from tests.integration.test_verify import GREEDY
@@ -296,20 +296,7 @@ def test_peagle_export_refusals_name_what_is_wrong(tmp_path, target, draft):
         load_draft_for(target, out)
 
 
-@pytest.fixture(scope="module")
-def states(tmp_path_factory, target):
-    """This module's own states (a source named "s"): the training test's margin was set on their split, which the
-    session's shared states (source "sharegpt") do not give."""
-    from speculators_train.hidden_states.generator import generate
-
-    recipe = load_recipe(
-        make_recipe(tmp_path_factory.mktemp("states"), [{"name": "s", "path": SHAREGPT, "max_records": 20}])
-    )
-    generate(recipe)
-    return recipe.hidden_states_dir
-
-
-def test_a_trained_peagle_draft_beats_its_start_verifies_exactly_and_exports(tmp_path, states):
+def test_a_trained_peagle_draft_beats_its_start_verifies_exactly_and_exports(tmp_path, own_states):
     import shutil
 
     from speculators_train.training.trainer import Trainer
@@ -319,12 +306,13 @@ def test_a_trained_peagle_draft_beats_its_start_verifies_exactly_and_exports(tmp
     train = {"epochs": 6, "batch_size": 4, "learning_rate": 3e-3, "warmup_ratio": 0.0, "wandb": {"mode": "disabled"}}
     path = make_recipe(
         tmp_path,
-        [{"name": "s", "path": SHAREGPT, "max_records": 20}],
+        [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}],
         draft=peagle,
+        data=OWN_REPLIES,
         training=train,
         eval={"num_speculative_tokens": 4, "num_prompts": 2, "max_new_tokens": 16},
     )
-    shutil.copytree(states, tmp_path / "run" / "hidden_states")
+    shutil.copytree(own_states, tmp_path / "run" / "hidden_states")
     recipe = load_recipe(path)
     trainer = Trainer(recipe)
     before = trainer.validate()

@@ -135,7 +135,8 @@ def test_llamacpp_regeneration_needs_a_gguf_target(tmp_path):
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text("{}")
     overrides = {"data.regenerate.enabled": True, "data.regenerate.engine": "llama.cpp"}
-    assert load_recipe(path, overrides).data.regenerate.engine == "llama.cpp"  # the default target is a GGUF
+    gguf = {**overrides, "target.name_or_path": "smollm2-135m-instruct"}  # the embedded default is a GGUF file
+    assert load_recipe(path, gguf).data.regenerate.engine == "llama.cpp"
     with pytest.raises(UserError, match=r"data\.regenerate\.engine 'llama\.cpp': target .* is not a GGUF file"):
         load_recipe(path, {**overrides, "target.name_or_path": str(hf_dir)})
 

@@ -343,9 +343,10 @@ def test_a_draft_cast_to_bf16_keeps_rope_frequencies_in_fp32(tmp_path, random_dr
     """Casting a module casts its float buffers too; RoPE's inv_freq rounded to bf16 shifts far positions."""
     from speculators_train.recipe import TargetConfig
     from speculators_train.target import load_target
+    from tests.conftest import tiny_config
 
     save_checkpoint(tmp_path, 1, random_draft, None, {"step": 1}, keep_last=1)
-    bf16 = load_target(TargetConfig(dtype="bfloat16", device="cpu"))
+    bf16 = load_target(TargetConfig(name_or_path=tiny_config().name_or_path, dtype="bfloat16", device="cpu"))
     draft = load_draft_for(bf16, tmp_path / "step-000001").draft
     assert draft.fc.weight.dtype == torch.bfloat16
     assert draft.rotary_emb.inv_freq.dtype == torch.float32
