@@ -151,9 +151,7 @@ def test_rerun_of_complete_output_is_a_no_op_and_other_settings_refuse_to_mix(ge
     assert before == {p: p.stat().st_mtime_ns for p in recipe.hidden_states_dir.rglob("*") if p.is_file()}
     other = recipe.model_copy(update={"target": recipe.target.model_copy(update={"aux_layer_ids": [1, 2, 3]})})
     other._source_path = recipe.source_path
-    with pytest.raises(
-        UserError, match=r"refusing to mix them:\n  aux_layer_ids: \[2, 4, 5\] there, \[1, 2, 3\] now"
-    ):
+    with pytest.raises(UserError, match=r"refusing to mix them:\n  aux_layer_ids: \[2, 4, 5\] there, \[1, 2, 3\] now"):
         generate(other)
 
 
