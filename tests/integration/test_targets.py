@@ -47,10 +47,7 @@ AUX = [2, 4, 6]  # below the default [2, N//2, N-3] = [2, 4, 5] of 8 layers, whi
 
 def combos() -> list[tuple[str, str]]:
     return [
-        (arch.name, family)
-        for arch in MATRIX
-        for family in FAMILIES
-        if FULL or family in CI_STAGES.get(arch.name, ())
+        (arch.name, family) for arch in MATRIX for family in FAMILIES if FULL or family in CI_STAGES.get(arch.name, ())
     ]
 
 
