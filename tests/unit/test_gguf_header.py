@@ -58,3 +58,28 @@ def test_no_answer_where_the_header_cannot_tell(tmp_path, damage):
     if damage == "not_gguf":
         path.write_bytes(b"PK\x03\x04" + path.read_bytes()[4:])
     assert leading_string(path, "general.architecture") is None
+
+
+def test_doctor_reads_no_field_of_identical_files_and_names_a_changed_one(tmp_path):
+    from speculators_train.engines.llamacpp.doctor import gguf_diffs, same_bytes
+
+    write(tmp_path / "a.gguf")
+    write(tmp_path / "b.gguf")
+    assert (
+        same_bytes(tmp_path / "a.gguf", tmp_path / "b.gguf")
+        and gguf_diffs(tmp_path / "a.gguf", tmp_path / "b.gguf") == []
+    )
+    data = bytearray((tmp_path / "b.gguf").read_bytes())
+    at = data.index(b"tiny")
+    data[at : at + 4] = b"tinz"  # general.name is skipped by doctor: the bytes differ, llama.cpp reads nothing else
+    (tmp_path / "b.gguf").write_bytes(data)
+    assert not same_bytes(tmp_path / "a.gguf", tmp_path / "b.gguf", chunk=8)
+    assert gguf_diffs(tmp_path / "a.gguf", tmp_path / "b.gguf") == []
+    writer = GGUFWriter(tmp_path / "c.gguf", "llama")
+    writer.add_uint32("llama.block_count", 3)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    diffs = gguf_diffs(tmp_path / "a.gguf", tmp_path / "c.gguf")
+    assert "llama.block_count: trained 2, llama.cpp will read 3" in diffs
