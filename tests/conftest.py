@@ -25,6 +25,16 @@ REPO = Path(__file__).resolve().parents[1]
 FULL = os.environ.get("SPECULATORS_TRAIN_FULL") == "1"
 
 
+def sweep(every, default):
+    """The cases of a sweep to run: all of `every` in the full run, else the representatives named in `default`
+    (one process per proof; the test's docstring or comment says what the others repeat)."""
+    return list(every) if FULL else [case for case in every if case in default]
+
+
+# A proof that another default-run test already covers on one representative: it runs in the full run only.
+full_only = pytest.mark.skipif(not FULL, reason="a full sweep's case: SPECULATORS_TRAIN_FULL=1")
+
+
 TIERS = ("unit", "integration", "e2e")
 
 

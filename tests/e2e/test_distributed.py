@@ -106,19 +106,21 @@ def test_every_family_trains_under_fsdp2_like_one_rank_and_exports_the_same_draf
     of near-equal weights can differ) have the same files, configs and tensors. P-EAGLE trains one depth and the
     block drafts keep every anchor: past depth 1 P-EAGLE's chains, and a block draft's anchors, are drawn from each
     rank's own generator, a draw one rank cannot repeat (FSDP2 and DDP agree there: 2 ranks give the same losses
-    either way)."""
+    either way). The default run trains DFlash alone (a family other than the EAGLE-3 of the tests above, with
+    anchors and a block); SPECULATORS_TRAIN_FULL=1 trains every family in the one launch."""
     from speculators_train.export.run import export
     from speculators_train.families import FAMILIES, get
     from speculators_train.recipe import load_recipe
     from speculators_train.training.trainer import Trainer
-    from tests.conftest import FIT_SETTINGS
+    from tests.conftest import FIT_SETTINGS, sweep
 
     assert set(FIT_SETTINGS) == set(FAMILIES)
     budget = {"epochs": 1, "max_steps": 3, "learning_rate": 1e-3}
     one, two = {}, {}
     every_sample = {"peagle": {"depths": 1}}
-    for family, settings in FIT_SETTINGS.items():
-        draft = {"family": family, **settings, **every_sample.get(family, {})}
+    trained = sweep(FIT_SETTINGS, ("dflash",))
+    for family in trained:
+        draft = {"family": family, **FIT_SETTINGS[family], **every_sample.get(family, {})}
         if "max_anchors" in get(family).settings.model_fields:  # a block draft: every anchor, none drawn
             draft["max_anchors"] = 512
         one[family] = run_recipe(tmp_path / family / "one", states, training=budget, draft=draft)
@@ -129,7 +131,7 @@ def test_every_family_trains_under_fsdp2_like_one_rank_and_exports_the_same_draf
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "tests.train_many"]
     result = subprocess.run([*command, *map(str, two.values())], cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    for family in FIT_SETTINGS:
+    for family in trained:
         Trainer(load_recipe(one[family])).train()
         expected, got = losses(tmp_path / family / "one" / "run"), losses(tmp_path / family / "two" / "run")
         assert got.keys() == expected.keys() == {1, 2, 3}, family

@@ -18,7 +18,7 @@ from speculators_train.origin import resolve_origin
 from speculators_train.recipe import load_recipe
 from speculators_train.training.checkpoint import save_checkpoint
 from speculators_train.verify.report import first_divergence
-from tests.conftest import SHAREGPT, make_recipe, start_of
+from tests.conftest import SHAREGPT, make_recipe, start_of, sweep
 
 
 def decoded(recipe, args: list[str], prompt: list[int], tmp_path: Path) -> tuple[Completion, Completion]:
@@ -158,7 +158,10 @@ def test_llamacpp_refuses_nothing_we_export_and_we_refuse_what_it_would_run_wron
 
 
 @pytest.mark.timeout(3600)  # the first run on a machine builds llama.cpp (10-20 minutes on 2 cores)
-@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark", "dflash2"])
+# The default run serves EAGLE-3 and DSpark (the block path with its Markov and confidence heads); DFlash and DFlash2
+# (the same block path in the converter's other two readings) run with SPECULATORS_TRAIN_FULL=1, and by default
+# their GGUF is read back and checked against llama.cpp's reading by tests/integration/test_families.py.
+@pytest.mark.parametrize("family", sweep(["eagle3", "dflash", "dspark", "dflash2"], ("eagle3", "dspark")))
 def test_llamacpp_with_our_draft_gives_its_own_target_only_output_on_an_unquantized_target(
     tmp_path, target, fitted, family
 ):

@@ -19,7 +19,7 @@ from speculators_train.hidden_states.shards import HiddenStateShards
 from speculators_train.recipe import load_recipe
 from speculators_train.training.trainer import Trainer
 from tests.children import CLI, Child, run_python
-from tests.conftest import EAGLE3, REPO, SHAREGPT, SMOLLM2, TRAIN, losses, make_recipe, run_recipe
+from tests.conftest import EAGLE3, REPO, SHAREGPT, SMOLLM2, TRAIN, losses, make_recipe, run_recipe, sweep
 
 
 def test_tiny_draft_overfits_real_samples(tmp_path, states):
@@ -105,7 +105,8 @@ def test_two_cpu_ranks_match_one_rank_with_the_same_global_batch(tmp_path, state
         assert got[step] == pytest.approx(expected, rel=1e-4), f"step {step}"
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+# ZeRO-3 by default (it shards weights as well as optimizer state); ZeRO-2 with SPECULATORS_TRAIN_FULL=1.
+@pytest.mark.parametrize("stage", sweep([2, 3], (3,)))
 def test_deepspeed_zero_on_two_cpu_ranks_matches_ddp_and_resumes_exactly(
     tmp_path, states, single_rank_run, single_rank_losses, stage
 ):

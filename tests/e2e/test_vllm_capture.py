@@ -18,7 +18,7 @@ from speculators_train.engines.vllm import offline as vllm
 from speculators_train.hidden_states.shards import HiddenStateShards, read_manifest, validate
 from speculators_train.recipe import load_recipe
 from speculators_train.training.trainer import Trainer
-from tests.conftest import SHAREGPT, make_recipe
+from tests.conftest import SHAREGPT, full_only, make_recipe
 from tests.e2e.test_train import run_recipe
 from tests.faults import clean_error, run_killed
 
@@ -154,10 +154,12 @@ def test_kill_9_during_vllm_capture_ends_its_engine_and_the_rerun_stores_each_re
         assert ids and len(ids) == len(set(ids)), split
 
 
+@full_only
 def test_two_nodes_each_capture_with_an_engine_of_their_own(tmp_path, states):
     """The multi-node `generate` with `generation.engine: vllm`: each launcher's rank starts its own vLLM
     engine and writes its own shards; together they hold every record with the states one transformers process
-    captures."""
+    captures. In the full run only: by default two nodes generate with transformers
+    (tests/e2e/test_distributed.py) and vLLM's capture equals transformers' states in one process (above)."""
     from tests.e2e.test_distributed import two_nodes
 
     recipe = make_recipe(tmp_path, SOURCES, generation=VLLM)

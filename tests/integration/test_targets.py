@@ -4,8 +4,8 @@ transformers' own configs, through every stage, or refused with the reason befor
 A target here is 8 layers, 128 wide: a stage on it takes seconds, so the CLI runs each one in this process. What the
 matrix proves per target: the stored states are the model's own, the training head gives its logits, the verify loop
 decodes exactly as transformers does (drafts accepted and rejected, chain and tree, across sliding windows), and
-every stage runs for every family. CI runs the first on every target and the rest on one target per class
-(`CI_STAGES`, `DECODE_CLASSES`); SPECULATORS_TRAIN_FULL=1 runs the whole cross product (about 25 minutes here).
+every stage runs for every family. The default run does the first on every target and the rest on one target per
+class (`CI_STAGES`, `DECODE_CLASSES`, `DECODED_FAMILIES`); SPECULATORS_TRAIN_FULL=1 runs the whole cross product.
 """
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ import pytest
 import torch
 
 from speculators_train.cli import main
-from tests.conftest import FULL, SHAREGPT, make_recipe
+from tests.conftest import FULL, SHAREGPT, make_recipe, sweep
 from tests.targets import BY_NAME, MATRIX, build
 
 FAMILIES = ("eagle3", "peagle", "dflash", "medusa", "mlp", "draft_model", "mtp")
 # CI's share of the stage matrix: a target per class (MoE + sliding window + sinks, a multimodal wrapper, MLA, hybrid
-# linear attention) with EAGLE-3, the draft model on the ones whose layers differ in kind, every family on gpt-oss.
+# linear attention) with EAGLE-3, the draft model on the ones whose layers differ in kind, MTP on the MoE target
+# that ships MTP layers, and on gpt-oss a family that reads target states (EAGLE-3) and a block drafter (DFlash).
+# Every family runs each stage on the session's tiny Llama (tests/integration/test_families.py, test_loss_curves.py).
 CI_STAGES = {
-    "gpt-oss": FAMILIES,
+    "gpt-oss": ("eagle3", "dflash"),
     "gemma3": ("eagle3",),
     "deepseek-v3": ("eagle3",),
     "qwen3-next": ("eagle3",),
@@ -234,7 +236,12 @@ def test_accepted_and_rejected_drafts_leave_the_targets_greedy_output(built, tmp
     decodes_exactly(target, fitted_draft(target, tmp_path, "eagle3"), trees=True)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# A chain drafter that reads target states and a block drafter; every family's proposer decodes the tiny Llama's
+# own greedy output by default (tests/integration/test_families.py), and the full run does each one here too.
+DECODED_FAMILIES = sweep(FAMILIES, ("eagle3", "dflash"))
+
+
+@pytest.mark.parametrize("family", DECODED_FAMILIES)
 def test_every_family_decodes_exactly_on_a_moe_sliding_window_target(built, tmp_path, family):
     """gpt-oss: MoE, attention sinks, a sliding window on every other layer, the harmony template. Greedy: the
     target's output; T=1 over 200 seeds with sampled drafts: the first token and the one after the most common
