@@ -1,6 +1,7 @@
 """The test suite's time budget, read from pytest's own per-test durations (its JUnit XML: setup, call and teardown
-of each test): the unit tier under 2 minutes, unit + integration (`make test-fast`) under 8, the default run of all
-three tiers (`make test`, what CI runs) under 25. A tier set is judged only when every one of its tiers ran.
+of each test). The goals: the unit tier under 2 minutes, unit + integration (`make test-fast`) under 8, the default
+run of all three tiers (`make test`, what CI runs) under 25; CI enforces `BUDGETS`, today's ceilings on the way
+there. A tier set is judged only when every one of its tiers ran.
 
 `python -m tests.budget FILE` prints the time per tier and the slowest tests, and exits 1 when a budget is passed on
 the CI kind (`CI` set, as CI sets it): a slower laptop gets the same table as a warning. The full run
@@ -16,11 +17,18 @@ from collections import defaultdict
 from pathlib import Path
 
 TIERS = ("unit", "integration", "e2e")
-# Seconds of tests, by the tiers a run holds (a run of more tiers is also judged on each smaller set it contains).
-BUDGETS: dict[tuple[str, ...], float] = {
+# The goals, in seconds of tests, by the tiers a run holds (a run of more tiers is also judged on each smaller set).
+GOALS: dict[tuple[str, ...], float] = {
     ("unit",): 120.0,
     ("unit", "integration"): 480.0,
     ("unit", "integration", "e2e"): 1500.0,
+}
+# What CI enforces until the suite reaches its goals: the default run on the CI kind with room for a slower machine.
+# Lower each toward its goal as tests get cheaper; never raise one to make room for a new test.
+BUDGETS: dict[tuple[str, ...], float] = {
+    ("unit",): 120.0,
+    ("unit", "integration"): 1000.0,
+    ("unit", "integration", "e2e"): 1800.0,
 }
 
 
@@ -58,7 +66,8 @@ def main(argv: list[str]) -> int:
     times = durations(Path(argv[0]))
     per_tier, over = judge(times)
     print("tests' time by tier: " + ", ".join(f"{t} {per_tier[t]:.0f} s" for t in TIERS if t in per_tier))
-    print(f"total {sum(per_tier.values()):.0f} s; slowest:")
+    goals = [f"{' + '.join(t)} {GOALS[t]:.0f} s" for t in GOALS if all(x in per_tier for x in t)]
+    print(f"total {sum(per_tier.values()):.0f} s (goals: {', '.join(goals)}); slowest:")
     for test, seconds in sorted(times.items(), key=lambda kv: -kv[1])[:10]:
         print(f"  {seconds:7.1f} s  {test}")
     if os.environ.get("SPECULATORS_TRAIN_FULL") == "1" or not over:

@@ -31,8 +31,8 @@ def test_time_is_summed_per_tier_including_parametrized_cases(tmp_path):
     ("cases", "passed"),
     [
         ({"tests.unit.a::t": 121}, ["unit"]),
-        ({"tests.unit.a::t": 100, "tests.integration.b::t": 381}, ["unit + integration"]),
-        ({"tests.unit.a::t": 100, "tests.integration.b::t": 300, "tests.e2e.c::t": 1101}, ["unit + integration + e2e"]),
+        ({"tests.unit.a::t": 100, "tests.integration.b::t": 901}, ["unit + integration"]),
+        ({"tests.unit.a::t": 100, "tests.integration.b::t": 800, "tests.e2e.c::t": 901}, ["unit + integration + e2e"]),
         # the e2e tier alone has no budget of its own: only runs that hold every tier of a set are judged
         ({"tests.e2e.c::t": 2000}, []),
         ({"tests.unit.a::t": 119, "tests.integration.b::t": 300, "tests.e2e.c::t": 1000}, []),
