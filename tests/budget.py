@@ -23,12 +23,13 @@ GOALS: dict[tuple[str, ...], float] = {
     ("unit", "integration"): 480.0,
     ("unit", "integration", "e2e"): 1500.0,
 }
-# What CI enforces until the suite reaches its goals: the default run on the CI kind with room for a slower machine.
+# What CI enforces until the suite reaches its goals: the default run on the CI kind with room for a machine without
+# AVX-512 (up to half as fast on these kernels).
 # Lower each toward its goal as tests get cheaper; never raise one to make room for a new test.
 BUDGETS: dict[tuple[str, ...], float] = {
-    ("unit",): 120.0,
-    ("unit", "integration"): 1000.0,
-    ("unit", "integration", "e2e"): 1800.0,
+    ("unit",): 180.0,
+    ("unit", "integration"): 1300.0,
+    ("unit", "integration", "e2e"): 2400.0,
 }
 
 

@@ -30,11 +30,11 @@ def test_time_is_summed_per_tier_including_parametrized_cases(tmp_path):
 @pytest.mark.parametrize(
     ("cases", "passed"),
     [
-        ({"tests.unit.a::t": 121}, ["unit"]),
-        ({"tests.unit.a::t": 100, "tests.integration.b::t": 901}, ["unit + integration"]),
-        ({"tests.unit.a::t": 100, "tests.integration.b::t": 800, "tests.e2e.c::t": 901}, ["unit + integration + e2e"]),
+        ({"tests.unit.a::t": 181}, ["unit"]),
+        ({"tests.unit.a::t": 100, "tests.integration.b::t": 1201}, ["unit + integration"]),
+        ({"tests.unit.a::t": 99, "tests.integration.b::t": 1100, "tests.e2e.c::t": 1202}, ["unit + integration + e2e"]),
         # the e2e tier alone has no budget of its own: only runs that hold every tier of a set are judged
-        ({"tests.e2e.c::t": 2000}, []),
+        ({"tests.e2e.c::t": 3000}, []),
         ({"tests.unit.a::t": 119, "tests.integration.b::t": 300, "tests.e2e.c::t": 1000}, []),
     ],
 )
@@ -48,7 +48,7 @@ def test_over_budget_fails_on_the_ci_kind_and_warns_elsewhere(tmp_path, monkeypa
     monkeypatch.delenv("SPECULATORS_TRAIN_FULL", raising=False)
     monkeypatch.setenv("CI", "true")
     assert budget.main([str(path)]) == 1
-    assert "unit: 500 s of tests, over the budget of 120 s" in capsys.readouterr().err
+    assert "unit: 500 s of tests, over the budget of 180 s" in capsys.readouterr().err
     monkeypatch.delenv("CI")
     assert budget.main([str(path)]) == 0
     monkeypatch.setenv("CI", "true")
