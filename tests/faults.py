@@ -108,15 +108,10 @@ def event_labels(argv: list[str], events: list[str] = ()) -> list[str]:
     return labels
 
 
-def full_sweep() -> bool:
-    """SPECULATORS_TRAIN_FULL=1: kill at every event (and OSD commit window), not one of each kind."""
-    return FULL
-
-
 def crash_windows(labels: list[str], tail: int) -> list[int]:
     """Events (1-based) to kill at: all of them when SPECULATORS_TRAIN_FULL=1, else the first of each
     kind (label) and the last `tail` (the run's final save and validation)."""
-    if full_sweep():
+    if FULL:
         return list(range(1, len(labels) + 1))
     first = {label: n for n, label in reversed(list(enumerate(labels, 1)))}
     return sorted(set(first.values()) | set(range(max(1, len(labels) - tail + 1), len(labels) + 1)))

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from speculators_train.training.checkpoint import save_checkpoint
 from tests.children import run_python
-from tests.conftest import SHAREGPT, make_recipe
-from tests.faults import REPO, full_sweep
+from tests.conftest import FULL, SHAREGPT, make_recipe
+from tests.faults import REPO
 from tests.integration.test_osd_distill import log_lines
 
 # Runs the CLI and SIGKILLs it at the first os.replace / os.fsync / open (builtin or os.open) whose path matches a
@@ -121,7 +121,7 @@ def test_a_run_killed_in_every_commit_window_serves_complete_versions_and_consum
         assert proc.returncode in (0, -signal.SIGKILL), proc.stderr[-3000:]
         return proc.returncode
 
-    for window, kind, pattern in WINDOWS if full_sweep() else [w for w in WINDOWS if w[0] in DEFAULT_WINDOWS]:
+    for window, kind, pattern in [w for w in WINDOWS if FULL or w[0] in DEFAULT_WINDOWS]:
         assert run(kind, pattern) == -signal.SIGKILL, f"{window}: the run ended without passing this window"
         current = root / "current"
         if os.path.lexists(current):

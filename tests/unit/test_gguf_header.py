@@ -60,21 +60,21 @@ def test_no_answer_where_the_header_cannot_tell(tmp_path, damage):
     assert leading_string(path, "general.architecture") is None
 
 
-def test_doctor_reads_no_field_of_identical_files_and_names_a_changed_one(tmp_path):
-    from speculators_train.engines.llamacpp.doctor import gguf_diffs, same_bytes
+def test_doctor_reads_no_field_of_identical_files_and_names_a_changed_one(tmp_path, monkeypatch):
+    from speculators_train.engines.llamacpp import doctor
+    from speculators_train.engines.llamacpp.doctor import gguf_diffs
 
+    read = []
+    contents = doctor.gguf_contents
+    monkeypatch.setattr(doctor, "gguf_contents", lambda path: read.append(path) or contents(path))
     write(tmp_path / "a.gguf")
     write(tmp_path / "b.gguf")
-    assert (
-        same_bytes(tmp_path / "a.gguf", tmp_path / "b.gguf")
-        and gguf_diffs(tmp_path / "a.gguf", tmp_path / "b.gguf") == []
-    )
+    assert gguf_diffs(tmp_path / "a.gguf", tmp_path / "b.gguf") == [] and read == []
     data = bytearray((tmp_path / "b.gguf").read_bytes())
     at = data.index(b"tiny")
     data[at : at + 4] = b"tinz"  # general.name is skipped by doctor: the bytes differ, llama.cpp reads nothing else
     (tmp_path / "b.gguf").write_bytes(data)
-    assert not same_bytes(tmp_path / "a.gguf", tmp_path / "b.gguf", chunk=8)
-    assert gguf_diffs(tmp_path / "a.gguf", tmp_path / "b.gguf") == []
+    assert gguf_diffs(tmp_path / "a.gguf", tmp_path / "b.gguf") == [] and len(read) == 2
     writer = GGUFWriter(tmp_path / "c.gguf", "llama")
     writer.add_uint32("llama.block_count", 3)
     writer.write_header_to_file()

@@ -5,6 +5,7 @@ trained and the value llama.cpp will read."""
 
 from __future__ import annotations
 
+import filecmp
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -41,20 +42,10 @@ def gguf_contents(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     return fields, {t.name: np.asarray(t.data) for t in reader.tensors}
 
 
-def same_bytes(a: Path, b: Path, chunk: int = 1 << 24) -> bool:
-    if a.stat().st_size != b.stat().st_size:
-        return False
-    with open(a, "rb") as fa, open(b, "rb") as fb:
-        while block := fa.read(chunk):
-            if block != fb.read(chunk):
-                return False
-    return True
-
-
 def gguf_diffs(trained: Path, served: Path) -> list[str]:
     """What llama.cpp reads otherwise in `served` than in `trained`; none when the files are the same bytes (the
     converter is deterministic), which spares parsing a target vocabulary's arrays twice."""
-    if same_bytes(trained, served):
+    if filecmp.cmp(trained, served, shallow=False):
         return []
     (a, ta), (b, tb) = gguf_contents(trained), gguf_contents(served)
     out = [f"{k}: trained {a.get(k, '<missing>')!r}, llama.cpp will read {b.get(k, '<missing>')!r}"
