@@ -31,22 +31,30 @@ def end_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def group(cmd: list[str], **popen: Any) -> Iterator[subprocess.Popen]:
-    """`subprocess.Popen(cmd, **popen)` in a new process group, ended with its group when the block exits."""
+def group(cmd: list[str], reap: bool = False, **popen: Any) -> Iterator[subprocess.Popen]:
+    """`subprocess.Popen(cmd, **popen)` in a new process group, ended with its group when the block exits; with
+    `reap`, ended too if this process is killed outright (`reaped`: a watcher process, for a child that writes what
+    a rerun would find half-done)."""
     proc = subprocess.Popen(cmd, start_new_session=True, **popen)
     try:
-        yield proc
+        if reap:
+            import psutil
+
+            with reaped([psutil.Process(proc.pid)]):
+                yield proc
+        else:
+            yield proc
     finally:
         end_group(proc)
 
 
-def run(cmd: list[str], **popen: Any) -> subprocess.CompletedProcess:
+def run(cmd: list[str], reap: bool = False, **popen: Any) -> subprocess.CompletedProcess:
     """`subprocess.run` (text output captured with `capture_output=True`), the child's group ended if this
-    process is interrupted while it runs."""
+    process is interrupted while it runs (or, with `reap`, killed)."""
     capture = popen.pop("capture_output", False)
     if capture:
         popen.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    with group(cmd, **popen) as proc:
+    with group(cmd, reap, **popen) as proc:
         out, err = proc.communicate()
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 

@@ -166,6 +166,8 @@ def read_file(path: Path, report: SkipReport, label: str | None = None) -> Itera
     `label` names the file in messages (the path as the user wrote it); default the path itself.
     """
     label = label or str(path)
+    if path.is_fifo() or path.is_char_device() or path.is_block_device() or path.is_socket():
+        raise UserError(f"{label}: a pipe, socket or device, not a file (reading it could wait forever)")
     if path.suffix in COLUMNAR:
         yield from read_datasets(COLUMNAR[path.suffix], None, "train", label=label, data_files=str(path))
         return

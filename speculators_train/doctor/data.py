@@ -82,18 +82,24 @@ def check_vocab_map(states_dir: Path, loaded: LoadedDraft) -> Check:
     return Check(name, "pass", detail)
 
 
+def _object(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
 def check_verifier(on_disk: dict[str, Any] | None, states_dir: Path, now: dict[str, Any]) -> Check:
     """The target's revision and config hash recorded by the training states and by the export, against the target
     as it reads now (`origin.target_fingerprint`): a target replaced under the same name serves a draft trained on
     another model's states."""
     name = "verifier: training states and export against the target now"
-    block = ((on_disk or {}).get("speculators_config") or {}).get("verifier") or {}
-    exported = {k: block.get(k) for k in ("revision", "config_hash")} if "config_hash" in block else None
+    block = _object(_object(on_disk).get("speculators_config")).get("verifier")
     try:
         stored = read_manifest(states_dir).get("target_config")
     except UserError:
         stored = None
-    seen = [(where, fp) for where, fp in (("the training states", stored), ("the export", exported)) if fp]
+    # a fingerprint is an object with a string config hash; anything else (edited, another version) records none
+    found = (("the training states", _object(stored)), ("the export", _object(block)))
+    seen = [(where, {k: fp.get(k) for k in ("revision", "config_hash")}) for where, fp in found
+            if isinstance(fp.get("config_hash"), str)]  # fmt: skip
     if not seen:
         detail = "neither the training states nor the export record the target's revision and config hash"
         return Check(name, "skip", detail, "export again (`export --force`) to record them")

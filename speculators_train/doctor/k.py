@@ -27,7 +27,7 @@ def timed_pass(target: Target, batch: int, width: int, context: list[int], repea
     """Seconds of the target's forward pass over `width` new tokens in each of `batch` rows, after a cache of
     `context` (the fastest of `repeats`, each on a fresh copy of the cache)."""
     ids = torch.tensor([context] * batch, device=target.model.device)
-    cache = target.model(input_ids=ids, use_cache=True).past_key_values
+    cache = target.model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values  # no batch x vocab logits
     new = ids[:, -width:]
     best = float("inf")
     for _ in range(repeats):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speculators_train.data.chat import Chat
+from speculators_train.data.chat import Chat, template_arguments
 from speculators_train.data.conversations import Conversation, SkipReport, normalize_record
 from speculators_train.data.readers import read_file
 from speculators_train.doctor.report import Check
@@ -43,6 +43,9 @@ def read_requests(path: Path) -> tuple[list[Request], SkipReport]:
         kwargs = obj.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             report.skip("bad_field", f"{origin} field=chat_template_kwargs is {type(kwargs).__name__}")
+            continue
+        if taken := sorted(set(kwargs) & template_arguments()):  # apply_chat_template's own: no template variable
+            report.skip("bad_field", f"{origin} field=chat_template_kwargs.{taken[0]} is apply_chat_template's own")
             continue
         if "reasoning_effort" in obj:  # gpt-oss-style templates read it as a template variable
             kwargs = {**kwargs, "reasoning_effort": obj["reasoning_effort"]}

@@ -29,7 +29,8 @@ from speculators_train.doctor.serve import ServedExport, check_export
 from speculators_train.doctor.sweep import sweep_k
 from speculators_train.errors import UserError
 from speculators_train.export.k import loop_record, measured
-from speculators_train.export.run import latest_verify_report, written_verifier
+from speculators_train.export.records import MAX_BATCH
+from speculators_train.export.run import VerifyReport, latest_verify_report, skipped_notes, written_verifier
 from speculators_train.families.base import LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft
 from speculators_train.families.format_common import proposal_k
@@ -63,8 +64,9 @@ class DoctorOptions:
     prompts: Path | None = None
 
     def __post_init__(self) -> None:
-        if self.batch < 1:
-            raise UserError(f"--batch {self.batch}: expected a positive number of concurrent requests")
+        if not 1 <= self.batch <= MAX_BATCH:
+            raise UserError(f"--batch {self.batch}: expected 1 to {MAX_BATCH} concurrent requests (doctor times the "
+                            "target's passes at that batch, holding a cache per request)")  # fmt: skip
 
 
 def first_suite(recipe: Recipe, target: Target) -> Suite:
@@ -135,7 +137,7 @@ def k_checks(
     report = latest_verify_report(recipe, loaded.path)
     record = loop_record(report[1]) if report else None
     where = str(verify_dir(recipe.run_dir))
-    checks = [check_k(record, where, served)]
+    checks = [check_k(record, where, served), *skipped_records(report)]
     if options.batch > 1 and measured(record):
         assert record is not None
         costs = batch_costs(target, record, options.batch, suite.prompts[0].ids)
@@ -145,6 +147,15 @@ def k_checks(
         k = loaded.family.draft_tokens(loaded.draft, recipe.eval.num_speculative_tokens)
         checks.append(check_sweep(sweep_k(target, loaded.path, suite, k, max_new, recipe.seed)))
     return checks, report[1] if report else []
+
+
+def skipped_records(report: VerifyReport | None) -> list[Check]:
+    """A warning naming the records of a verify run that its readers left out (`export.records`), if any."""
+    notes = skipped_notes(report)
+    fix = (
+        "rerun `speculators-train verify <recipe>`: the results file was edited, damaged or written by another version"
+    )
+    return [Check(f"verify records of {report.path}", "warn", notes[0], fix)] if report and notes else []
 
 
 def engine_checks(recipe: Recipe, loaded: LoadedDraft, served: int | None, engine: str) -> list[Check]:
@@ -158,6 +169,7 @@ def engine_checks(recipe: Recipe, loaded: LoadedDraft, served: int | None, engin
             ours = served if name == engine else None  # the export's K is for the engine it is checked for
             checks += [check_engine_k(report[1], name, str(report[0]), ours, b) for b in batches]
             checks.append(check_engine_baselines(report[1], name))
+            checks += skipped_records(report)
         elif name == engine:
             fix = f"run `speculators-train verify <recipe>` with eval.engine: {name} to measure K and the free "
             fix += f"baselines in {name} itself"

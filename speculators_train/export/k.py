@@ -32,9 +32,16 @@ class StepCosts:
     other: float
 
 
+PHASES = ("spec_verify", "spec_draft", "spec_prefill", "spec_bookkeeping")
+
+
 def measured(record: dict[str, Any] | None) -> bool:
-    """Whether `record` is a loop record with the timings the formula needs (engines' records report totals)."""
-    return bool(record and record.get("steps") and "spec_verify" in record.get("seconds", {}))
+    """Whether `record` is a loop record with the timings the formula needs (engines' records report totals): a
+    verify pass that took time, so no K's step costs nothing (`export.records` has checked the fields' types)."""
+    if not record or not record.get("steps") or "target_only_tokens_per_s" not in record:
+        return False
+    seconds = record.get("seconds", {})
+    return all(p in seconds for p in PHASES) and seconds["spec_verify"] > 0
 
 
 def step_costs(record: dict[str, Any]) -> StepCosts:

@@ -8,12 +8,13 @@ existing <out> is replaced only when asked (`--force`).
 
 from __future__ import annotations
 
+import glob
 import os
 import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from safetensors.torch import save_file
 
@@ -22,6 +23,7 @@ from speculators_train.architectures import text_config
 from speculators_train.engines.serving import served_commands
 from speculators_train.errors import UserError
 from speculators_train.export.k import recommended_k, served_k
+from speculators_train.export.records import checked_records
 from speculators_train.families.base import ExportFormat, LoadedDraft
 from speculators_train.families.drafts import check_fits, load_draft, refuse_non_finite
 from speculators_train.families.format_common import DTYPES, stamp_verifier
@@ -52,22 +54,31 @@ class Exported:
     notes: list[str]
 
 
-def latest_verify_report(
-    recipe: Recipe, checkpoint: Path, engine: str = "native"
-) -> tuple[Path, list[dict[str, Any]]] | None:
+class VerifyReport(NamedTuple):
+    """A verify run's results file, the records fit to compute with, and one line per record skipped
+    (`export.records`)."""
+
+    path: Path
+    records: list[dict[str, Any]]
+    skipped: list[str]
+
+
+def latest_verify_report(recipe: Recipe, checkpoint: Path, engine: str = "native") -> VerifyReport | None:
     """The newest `verify` results measured on this very checkpoint in `engine`, if any (an engine's draftless
-    baselines name no checkpoint; its draft records must name this one)."""
+    baselines name no checkpoint; its draft records must name this one). Records a reader cannot compute with are
+    left out and named in `skipped`."""
     for results in verify_results(recipe.run_dir):
         try:
             records = read_json(results, "verify results")
         except UserError:
             continue
-        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        if not isinstance(records, list):
             continue  # not a report `verify` wrote: as unreadable as a damaged one
-        drafted = [r for r in records if r.get("checkpoint")]
-        same = [Path(str(r["checkpoint"])).resolve() == checkpoint.resolve() for r in drafted]
-        if drafted and all(same) and all(r.get("engine", "native") == engine for r in records):
-            return results, records
+        kept, skipped = checked_records(results, records)
+        drafted = [r for r in kept if r.get("checkpoint")]
+        same = [Path(r["checkpoint"]).resolve() == checkpoint.resolve() for r in drafted]
+        if drafted and all(same) and all(r.get("engine", "native") == engine for r in kept):
+            return VerifyReport(results, kept, skipped)
     return None
 
 
@@ -82,9 +93,21 @@ def serving_k(recipe: Recipe, checkpoint: Path, engine: str, asked: int, force_k
     """(the K an export serves, notes): from the newest verify run in the engine that serves it where that run
     measured up to `asked`, else from the loop's."""
     report = latest_verify_report(recipe, checkpoint, engine) if engine != "native" else None
-    if report is None or recommended_k(report[1], asked, engine) is None:
+    if report is None or recommended_k(report.records, asked, engine) is None:
         engine, report = "native", latest_verify_report(recipe, checkpoint)
-    return served_k(report, asked, force_k, engine)
+    k, notes = served_k(report[:2] if report else None, asked, force_k, engine)
+    return k, notes + skipped_notes(report)
+
+
+def skipped_notes(report: VerifyReport | None) -> list[str]:
+    """One note for the records a verify report's readers left out: how many, and the first one's reason."""
+    if report is None or not report.skipped:
+        return []
+    first, more = report.skipped[0], len(report.skipped) - 1
+    return [
+        f"{len(report.skipped)} verify record(s) skipped, not fit to compute with: {first}"
+        + (f" (and {more} more)" if more else "")
+    ]
 
 
 def model_card(
@@ -164,16 +187,20 @@ def _acceptance_lines(recipe: Recipe, checkpoint: Path) -> list[str]:
     if report is None:
         lines.append(f"Not measured yet: `speculators-train verify {recipe.source_path} --draft {checkpoint}`.")
     else:
-        results, records = report
+        results, records, _ = report
         lines.append(f"From `{results}` (`speculators-train verify`, real target, {records[0].get('device')}):")
         lines += ["", "| suite | shape | T | acceptance length | speedup |", "|---|---|---|---|---|"]
         with reading(results, "verify results"):
             for r in records:
                 lines.append(
-                    f"| {r['suite']} | {r['shape']} | {r['temperature']} | {r['acceptance_length']:.2f} | "
+                    f"| {r['suite']} | {r['shape']} | {r['temperature']} | {_al(r.get('acceptance_length'))} | "
                     f"{r['speedup']:.2f}x |"
                 )
     return lines
+
+
+def _al(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def local_config_dir(source: str, revision: str | None) -> Path:
@@ -265,6 +292,16 @@ def _target_gguf(target: TargetConfig, source: str) -> tuple[str, list[str]]:
     return served, [f"the target is not a GGUF file: make {served} once with llama.cpp's converter ({make})"]
 
 
+def _staging(out: Path) -> Path:
+    """A new, empty staging folder beside `out`, after removing those a killed export left (another pid's): this
+    process holds the lock on `out`, so none of them is in use."""
+    for stale in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.mkdir()
+    return tmp
+
+
 def _export(
     recipe: Recipe, out: Path, fmt: str, dtype: str, origin: tuple[str, str | None], checkpoint_dir: Path, force_k: bool
 ) -> Exported:
@@ -302,9 +339,7 @@ def _export(
     refuse_non_finite(weights, f"{loaded.path} in {dtype}")  # float16 overflows past 65504
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = _staging(out)
     try:
         with writing(out, cleanup=tmp):  # a full disk ends as every other writer's does
             (tmp / "config.json").write_text(to_json(config, indent=2) + "\n")

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from speculators_train.architectures import draft_layer_values
+from speculators_train.engines.base import MAX_DRAFT_TOKENS
 from speculators_train.engines.llamacpp.server import serve_command
 from speculators_train.errors import UserError
 from speculators_train.families.vocab import checked_maps, kind
@@ -100,12 +101,14 @@ def stamp_verifier(config: dict[str, Any], fingerprint: dict[str, Any]) -> None:
 
 
 def proposal_k(config: dict[str, Any]) -> int | None:
-    """The `speculative_tokens` of a config's `speculators_config` block (`proposal_config`), or None."""
+    """The `speculative_tokens` of a config's `speculators_config` block (`proposal_config`), or None where it has
+    none a K could be (a whole number from 1 to `MAX_DRAFT_TOKENS`): an edited export's K of 0, -3 or a billion is
+    then no K at all, so doctor's fresh write takes the trained one and names the field as changed."""
     block = config.get("speculators_config")
     methods = block.get("proposal_methods") if isinstance(block, dict) else None
     first = methods[0] if isinstance(methods, list) and methods else None
     k = first.get("speculative_tokens") if isinstance(first, dict) else None
-    return k if isinstance(k, int) and not isinstance(k, bool) else None
+    return k if isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_DRAFT_TOKENS else None
 
 
 def shell_arg(value: str | Path) -> str:

@@ -85,7 +85,49 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     manifest = read_json(path, "hidden-state manifest")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise UserError(f"{path}: not a {FORMAT} v{VERSION} manifest")
+    if problem := _manifest_problem(manifest):
+        raise UserError(f"{path}: {problem} (edited, or written by another version: regenerate the states)")
     return manifest
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# The fields its readers compute with: identity key -> (what it must be, the test)
+IDENTITY_FIELDS: dict[str, tuple[str, Any]] = {
+    "aux_layer_ids": ("a list of layer ids", lambda v: isinstance(v, list) and all(map(_is_count, v))),
+    "hidden_size": ("a whole number above 0", lambda v: _is_count(v) and v > 0),
+    "vocab_size": ("a whole number above 0", lambda v: _is_count(v) and v > 0),
+    "storage_dtype": ("a dtype's name", lambda v: v in ("float32", "bfloat16", "float16")),
+    "data_fingerprint": ("a string", lambda v: isinstance(v, str)),
+}
+
+
+def _manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """The first field of a manifest its readers cannot compute with (None: none)."""
+    identity = manifest.get("identity")
+    if not isinstance(identity, dict):
+        return f"field `identity` is {'missing' if identity is None else 'not an object'}"
+    for key, (what, ok) in IDENTITY_FIELDS.items():
+        if not ok(identity.get(key)):
+            return f"field `identity.{key}` must be {what}"
+    splits = manifest.get("splits")
+    for split in SPLITS:
+        listed = splits.get(split) if isinstance(splits, dict) else None
+        shards = listed.get("shards") if isinstance(listed, dict) else None
+        if not isinstance(shards, list) or not all(isinstance(e, dict) for e in shards):
+            return f"field `splits.{split}.shards` must be a list of objects"
+        for i, entry in enumerate(shards):
+            where = f"field `splits.{split}.shards[{i}]"
+            if not (_is_count(entry.get("num_samples")) and _is_count(entry.get("num_tokens"))):
+                return f"{where}` must count its samples and tokens (num_samples, num_tokens)"
+            named = isinstance(entry.get("file"), str) and isinstance(entry.get("sha256"), str)
+            if entry["num_samples"] and not named:
+                return f"{where}` must name its file and sha256"
+    if not isinstance(manifest.get("token_freq_sha256", ""), str):
+        return "field `token_freq_sha256` must be a string"
+    return None
 
 
 def read_token_freq(directory: Path, manifest: dict[str, Any]) -> torch.Tensor:

@@ -37,7 +37,7 @@ def terminate():
     pids = [p.pid for p in psutil.Process().children(recursive=True)]
     with open(tree_file, "w") as fh:
         json.dump(pids, fh)
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), getattr(signal, os.environ.get("TERMINATE_SIGNAL", "SIGTERM")))
 
 
 if hook:
@@ -68,10 +68,11 @@ main(sys.argv[5:])
 
 
 def terminated(
-    tmp_path: Path, argv: list, hook: str = "", count: int = 1, pattern: str = "", after: float = 0
+    tmp_path: Path, argv: list, hook: str = "", count: int = 1, pattern: str = "", after: float = 0, kill: bool = False
 ) -> list[int]:
-    """Run the CLI until SIGTERM at the event (or `after` seconds past it); assert it ended as Ctrl-C does (exit 143,
-    one line on how to resume, no traceback) and return the processes it had started."""
+    """Run the CLI until SIGTERM (SIGKILL with `kill`) at the event (or `after` seconds past it); assert it ended as
+    Ctrl-C does (exit 143, one line on how to resume, no traceback), or was killed, and return the processes it had
+    started."""
     tree = tmp_path / "tree.json"
     proc = subprocess.run(
         [sys.executable, "-c", TERMINATOR, hook, str(count), pattern, str(tree), *map(str, argv)],
@@ -79,9 +80,12 @@ def terminated(
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "TERMINATE_AFTER": str(after)},
+        env={**os.environ, "TERMINATE_AFTER": str(after), "TERMINATE_SIGNAL": "SIGKILL" if kill else "SIGTERM"},
     )
     err = proc.stderr
+    if kill:
+        assert proc.returncode == -9, f"exit {proc.returncode}:\n{err[-3000:]}"
+        return json.loads(tree.read_text())
     assert proc.returncode == 143, f"exit {proc.returncode}:\n{err[-3000:]}"
     assert "terminated (SIGTERM): rerun the same command to resume" in proc.stdout + err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
@@ -122,6 +126,21 @@ def test_export_to_gguf_ends_the_converter_and_leaves_no_temporary_file(tmp_path
     assert started, "the converter was not running"
     assert_ended(started)
     assert not out.exists()
+    assert not [p for p in out.parent.rglob("*") if ".tmp" in p.name], list(out.parent.rglob("*"))
+
+
+def test_a_killed_gguf_export_leaves_no_converter_and_its_rerun_no_staging_folder(tmp_path, fitted, capsys):
+    """SIGKILL runs no cleanup in the export: its watcher ends the converter, and the rerun removes the killed
+    export's staging folder before it writes its own."""
+    recipe, checkpoint, _, _ = fitted()
+    out = tmp_path / "exports" / "gguf"
+    argv = ["export", recipe.source_path, "--checkpoint", checkpoint, "--format", "gguf", "--out", out]
+    started = terminated(tmp_path, argv, pattern=str(out.parent / ".*.tmp-*" / ".*.tmp-*"), kill=True)
+    assert started, "the converter was not running"
+    assert_ended(started)
+    assert [p.name for p in out.parent.iterdir() if ".tmp-" in p.name], "the killed export left nothing to clear"
+    code, err = run_cli(argv, capsys)
+    assert code == 0, err
     assert not [p for p in out.parent.rglob("*") if ".tmp" in p.name], list(out.parent.rglob("*"))
 
 

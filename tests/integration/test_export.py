@@ -263,6 +263,7 @@ def test_export_command_prints_the_serve_line_and_the_card_reports_measured_acce
     report = recipe.run_dir / "verify" / "20261121-000000"
     report.mkdir(parents=True)
     record = {"suite": "sharegpt-held-out", "shape": "chain(K=5)", "temperature": 0.0, "acceptance_length": 2.25}
+    record.update(num_speculative_tokens=5, steps=8, per_position_acceptance=[0.5, 0.3, 0.2, 0.15, 0.1])
     record.update(speedup=1.5, device="cpu", checkpoint=str(checkpoint))
     (report / "results.json").write_text(json.dumps([record]))
     out = tmp_path / "sg"

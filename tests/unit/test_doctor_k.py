@@ -23,6 +23,7 @@ def record(rates, k=4, verify=0.05, draft=0.01, steps=100) -> dict:
         "steps": steps,
         "per_position_acceptance": rates,
         "target_only_tokens_per_s": 25.0,
+        "speedup": 1.0,
         "shape": f"chain(K={k})",
         "seconds": {"spec_verify": verify * steps, "spec_draft": draft * k * steps, "spec_prefill": 0.0,
                     "spec_bookkeeping": 0.0},

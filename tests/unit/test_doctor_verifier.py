@@ -20,7 +20,10 @@ def export_config(fingerprint: dict | None) -> dict:
 
 
 def states(tmp_path, fingerprint: dict | None):
-    manifest = {"format": FORMAT, "version": VERSION, "identity": {}}
+    identity = {"aux_layer_ids": [1], "hidden_size": 8, "vocab_size": 16, "storage_dtype": "float32",
+                "data_fingerprint": "f"}  # fmt: skip
+    splits = {"train": {"shards": []}, "held_out": {"shards": []}}
+    manifest = {"format": FORMAT, "version": VERSION, "identity": identity, "splits": splits}
     if fingerprint:
         manifest["target_config"] = fingerprint
     (tmp_path / MANIFEST).write_text(json.dumps(manifest))

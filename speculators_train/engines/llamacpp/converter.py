@@ -56,7 +56,8 @@ def convert(model_dir: Path, out: Path, outtype: str = "f32", target_dir: Path |
     # The converter must use its own gguf-py (it knows the EAGLE-3 arch), not the `gguf` package installed here.
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     try:
-        proc = children.run(cmd, capture_output=True, text=True, env=env)
+        # reaped: a converter left running by a killed export would write into the folder a rerun starts over
+        proc = children.run(cmd, reap=True, capture_output=True, text=True, env=env)
     except BaseException:  # Ctrl-C or SIGTERM: the converter is ended, its half-written file removed
         tmp.unlink(missing_ok=True)
         raise
