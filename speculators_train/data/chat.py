@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from speculators_train.data.config import ImagesConfig
 from speculators_train.data.conversations import REASONING_FIELDS, has_images
+from speculators_train.errors import UserError
 
 # Stand-in text for a reply: the first candidate that the reply itself does not contain.
 STAND_INS = ("§", "¤", "¶", "\u2063")
@@ -98,6 +100,17 @@ class Reply:
         return self.prompt + self.reply[: self.mask_end]
 
 
+def template_arguments() -> frozenset[str]:
+    """The names `apply_chat_template` takes as its own arguments (read from transformers' signature): a
+    `chat_template_kwargs` key among them would collide with them rather than reach the template."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    own = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    return frozenset(name for name, p in own.items() if name != "self" and p.kind is not p.VAR_KEYWORD)
+
+
 @dataclass(frozen=True)
 class Chat:
     """The target's tokenizer with its chat template and the recipe's `data.chat_template_kwargs` (e.g.
@@ -109,11 +122,20 @@ class Chat:
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     processor: Any = None
     no_images: str = ""  # why a multimodal target's records with images cannot be read (no processor)
+    images: ImagesConfig = field(default_factory=ImagesConfig)  # how its images are read (`data.images`)
+
+    def __post_init__(self) -> None:
+        # checked here, where the template is first used, not at recipe load (which imports no transformers)
+        if taken := sorted(set(self.kwargs) & template_arguments()):
+            raise UserError(
+                f"data.chat_template_kwargs: {', '.join(taken)}: apply_chat_template's own argument(s), not "
+                "variables of the template"
+            )
 
     @classmethod
-    def of(cls, target: Any, kwargs: Mapping[str, Any] | None = None) -> Chat:
+    def of(cls, target: Any, kwargs: Mapping[str, Any] | None = None, images: ImagesConfig | None = None) -> Chat:
         """A loaded target's chat template as an engine applies it, reading images through its processor."""
-        return cls(target.tokenizer, kwargs or {}, target.processor, target.no_images)
+        return cls(target.tokenizer, kwargs or {}, target.processor, target.no_images, images or ImagesConfig())
 
     def render(self, messages, prompt: bool) -> str:
         """The template's text for `messages`, with the generation prompt when `prompt`."""

@@ -45,6 +45,16 @@ class RegenerateConfig(Section):
         return config.model_dump() if config.enabled else {"enabled": False}
 
 
+class ImagesConfig(Section):
+    fetch: bool = Field(
+        False,
+        description="Fetch records' http(s) image references over the network. Off: such a record is skipped and "
+        "counted (files and data URLs are always read). Credentials in a URL are never sent.",
+    )
+    timeout_seconds: float = Field(30.0, gt=0, le=600, description="Total deadline to fetch one image.")
+    max_bytes: int = Field(32 * 2**20, gt=0, le=2**30, description="The largest image file or download read.")
+
+
 class DataConfig(Section):
     mix: str = Field(description="Path to a data mix YAML (see data/*.yaml).")
     max_length: int = Field(2048, gt=1, description="Tokens per sample after the chat template.")
@@ -59,3 +69,4 @@ class DataConfig(Section):
         "served without reasoning.",
     )
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+    images: ImagesConfig = Field(default_factory=ImagesConfig)

@@ -211,6 +211,9 @@ def normalize_record(
             what = "has only non-text parts" if reason == "non_text_content" else f"field={text_key} is not text"
             report.skip(reason, f"{origin} turn {n} {what}")
             return None
+        if parts is not None and role == "assistant":  # its image tokens would be trained on, with no pixels read
+            report.skip("image_in_reply", f"{origin} turn {n}")
+            return None
         reasoning = _reasoning(turn) if role == "assistant" else None
         refs = [p["image"] for p in parts or () if p["type"] == "image"]
         if _SURROGATE.search(text) or (reasoning and _SURROGATE.search(reasoning)) or any(map(_SURROGATE.search, refs)):

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from speculators_train.data.chat import Chat, EmptyReply
+from speculators_train.data.config import ImagesConfig
 from speculators_train.data.conversations import Conversation, SkipReport, has_images
-from speculators_train.loading import describe
+from speculators_train.data.images import BadImage, shown
+from speculators_train.data.images import load as load_image
 
 # A text longer than this many head windows (`max_length + 1` tokens of the longest length) is tokenised by its head
 # alone; shorter ones whole.
@@ -64,45 +65,21 @@ class _Tokens:
     vision: dict[str, torch.Tensor] | None = None  # the processor's tensors for every image in the sample
 
 
-class BadImage(ValueError):
-    """An image part that cannot be read (a missing file, an unreachable URL, bytes that are not an image)."""
-
-
 class NoImageProcessor(BadImage):
     """Images for a multimodal target whose processor could not be loaded."""
 
 
-def _images(conv: Conversation) -> list:
-    """The conversation's images in order, as RGB pictures (transformers' reader: data URLs, files, http)."""
-    from transformers.image_utils import load_image
-
+def _images(conv: Conversation, policy: ImagesConfig) -> list:
+    """The conversation's images in order, as RGB pictures, read as `policy` (`data.images`) allows."""
     out = []
     for n, message in enumerate(conv.messages):
         for part in message.get("parts", ()):
-            if part["type"] != "image":
-                continue
-            ref = part["image"]
-            try:
-                out.append(load_image(ref.removeprefix("file://"), timeout=30))
-            except Exception as exc:  # transformers' message quotes the whole reference: a data URL is megabytes
-                raise BadImage(f"turn {n} image {_shown(ref)}: {_why(ref, exc)}") from None
+            if part["type"] == "image":
+                try:
+                    out.append(load_image(part["image"], policy))
+                except BadImage as exc:
+                    raise BadImage(f"turn {n} image {shown(part['image'])}: {exc}") from None
     return out
-
-
-def _shown(ref: str) -> str:
-    """An image reference for a message: a data URL by its media type, a URL without its query (which may hold a
-    token), at most 60 characters."""
-    if ref.startswith("data:"):
-        return ref.split(",", 1)[0]
-    ref = ref.split("?", 1)[0]
-    return repr(ref if len(ref) <= 60 else "..." + ref[-57:])
-
-
-def _why(ref: str, exc: Exception) -> str:
-    if isinstance(exc, ValueError) and str(exc).startswith("Incorrect image source"):
-        local = not ref.startswith(("data:", "http://", "https://"))
-        return "no such file" if local and not Path(ref).exists() else "not an image (nor base64 of one)"
-    return describe(exc)[:120]
 
 
 def _image_prompt(chat: Chat, prompt: str, images: list) -> tuple[list[int], dict[str, torch.Tensor]]:
@@ -125,7 +102,7 @@ def conversation_tokens(conv: Conversation, chat: Chat, max_length: int) -> tupl
         raise NoImageProcessor(f"the target reads images but {chat.no_images}")
     if chat.processor is None and any(has_images(m) and not m["content"].strip() for m in messages):
         return [], "non_text_content"  # a turn of images alone, for a target that reads no images
-    images = _images(conv) if chat.processor is not None and any(map(has_images, messages)) else []
+    images = _images(conv, chat.images) if chat.processor is not None and any(map(has_images, messages)) else []
     out: list[_Tokens] = []
     current: _Tokens | None = None
     reason = "no_reply_after_a_prompt"

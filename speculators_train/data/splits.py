@@ -31,7 +31,7 @@ def rendered_counts(
     from speculators_train.data.chat import Chat
     from speculators_train.data.render import render_many
 
-    chat = Chat(tokenizer, data.chat_template_kwargs, processor, no_images)
+    chat = Chat(tokenizer, data.chat_template_kwargs, processor, no_images, data.images)
     out = {}
     for split in SPLITS:
         records = getattr(splits, split)

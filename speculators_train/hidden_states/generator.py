@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save
 from tqdm import tqdm
 
-from speculators_train.data.config import RegenerateConfig
+from speculators_train.data.config import ImagesConfig, RegenerateConfig
 from speculators_train.data.conversations import SkipReport
 from speculators_train.data.mix import Splits
 from speculators_train.data.regenerate import replying_engine
@@ -66,6 +66,8 @@ def generation_identity(recipe: Recipe, target: Target, splits: Splits, world_si
         "world_size": world_size,
         **engine,
         **({"chat_template_kwargs": kwargs} if kwargs else {}),  # named only when set: older sets still resume
+        # which image references are read decides which records are stored; named only when not the default
+        **({"images": images.model_dump()} if (images := recipe.data.images) != ImagesConfig() else {}),
     }
 
 

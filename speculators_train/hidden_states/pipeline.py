@@ -130,7 +130,7 @@ def process_chunk(
     skips = SkipReport()
     spec = spec or recipe_states(recipe.draft, target)
     data, max_tokens = recipe.data, recipe.generation.max_tokens_per_batch
-    chat = Chat.of(target, data.chat_template_kwargs)
+    chat = Chat.of(target, data.chat_template_kwargs, data.images)
     if target.reads_images and engine is not None:
         chunk = _without_images(chunk, "images_not_captured_by_vllm", skips)
     if target.reads_images and data.regenerate.enabled:

@@ -177,7 +177,7 @@ def token_frequencies(data: DataConfig, splits, target) -> torch.Tensor:
     vocab_size = target.vocab_size
     freq = torch.zeros(vocab_size, dtype=torch.int64)
     for chunk in chunks(splits.train, 1024):
-        chat = Chat.of(target, data.chat_template_kwargs)
+        chat = Chat.of(target, data.chat_template_kwargs, data.images)
         for group in render_many(chunk, chat, data.max_length, data.overlong, SkipReport()):
             for sample in group:
                 freq += torch.bincount(sample.input_ids[sample.loss_mask], minlength=vocab_size)
