@@ -22,7 +22,8 @@ SOURCES = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 8}]
 
 def folder(tmp_path: Path, config: dict | None = None, tokenizer: dict | None = None, weights: str = "safetensors"):
     """A model folder with the default target's config and tokenizer (keys changed by `config`, `tokenizer`) and
-    weights of the kind named: `safetensors` (the real file, linked), `pickle` (a `pytorch_model.bin` alone)."""
+    weights of the kind named: `safetensors` (the real file, linked), `pickle` (a `pytorch_model.bin` alone),
+    `index-to-pickle` (a safetensors index whose weight map names that pickle)."""
     real = Path(resolve_origin(tiny_config())[0])
     out = tmp_path / "elsewhere"
     out.mkdir()
@@ -33,6 +34,9 @@ def folder(tmp_path: Path, config: dict | None = None, tokenizer: dict | None = 
         (out / "model.safetensors").symlink_to(real / "model.safetensors")
     else:
         (out / "pytorch_model.bin").write_bytes(b"\x80\x02 a pickle that runs code when loaded")
+    if weights == "index-to-pickle":
+        index = {"weight_map": {"model.embed_tokens.weight": "pytorch_model.bin"}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index))
     (out / "mine.py").write_text("raise SystemExit('custom code ran')\n")
     return out
 
@@ -48,6 +52,28 @@ FOLDERS = {
         ("rope_parameters.rope_theta is 0; it must be above 0",),
     ),
     "negative-norm-eps": ({"config": {"rms_norm_eps": -1.0}}, ("rms_norm_eps is -1.0",)),
+    "index-to-pickle": (
+        {"weights": "index-to-pickle"},
+        ("weight_map['model.embed_tokens.weight'] is 'pytorch_model.bin'", "never loaded"),
+    ),
+    "longrope-zeros": (  # zero factors verify "identical" with AL 4.00: every position collapses
+        {
+            "config": {
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "rope_theta": 1e4,
+                    "long_factor": [0.0] * 16,
+                    "short_factor": [1.0] * 16,
+                    "original_max_position_embeddings": 64,
+                }
+            }
+        },
+        ("rope_parameters.long_factor holds 0.0; every factor must be a finite number above 0",),
+    ),
+    "4096-layers": (  # within the size bounds, but a model its 8 layers of weights do not back
+        {"config": {"num_hidden_layers": 4096, "intermediate_size": 1 << 14}},
+        ("describes a model of about", "the config is not the weights'"),
+    ),
 }
 
 
@@ -89,6 +115,12 @@ def test_config_problem_reads_nested_sections_and_leaves_released_values_alone()
         "rms_norm_eps": 1e-6, "head_dim": None, "max_position_embeddings": 10_485_760, "vocab_size": 262_208,
     }  # fmt: skip
     assert config_problem(released) is None
+    longrope = {"rope_type": "longrope", "long_factor": [1.0, 1.5], "short_factor": [1.0, 1.0]}
+    assert config_problem({"rope_parameters": longrope}) is None
+    for bad in ([1.0, -2.0], [1.0, "x"], []):
+        assert config_problem({"rope_parameters": {**longrope, "short_factor": bad}}).startswith(
+            "rope_parameters.short_factor holds"
+        )
 
 
 def test_a_target_that_computes_nan_is_refused_before_its_states_are_stored(tmp_path, capsys):
