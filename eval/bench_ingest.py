@@ -10,6 +10,11 @@ fsynced and committed as in production) and reports MB, seconds, MB/s, records a
 at a quarter of the size: ingestion is linear in the bytes, so the time ratio should equal the size ratio, about 4 (a
 quadratic redaction would give 16; sizes are whole token lines with their chat lines, so the ratio is not exactly 4).
 Prints one JSON line and a table.
+
+    .venv/bin/python eval/bench_ingest.py --files 10000     # many small files: 10,000 and 2,500 of them
+
+`--files N`: N log files of `--lines` chat lines each (distinct names, `app-00001.jsonl`, ...), one pass at N and one
+at N / 4: a pass is linear in the number of files too, so the time ratio should be about 4.
 """
 
 from __future__ import annotations
@@ -83,17 +88,67 @@ def one_pass(where: Path, size_mb: float, token_mb: float) -> dict:
     }
 
 
+def files_pass(where: Path, files: int, lines: int) -> dict:
+    logs = where / "logs"
+    logs.mkdir(parents=True)
+    n = 0
+    for f in range(files):
+        with open(logs / f"app-{f:05d}.jsonl", "w") as fh:
+            for _ in range(lines):
+                fh.write(chat_line(n) + "\n")
+                n += 1
+    ingestor = LogIngestor(logs, where / "state", Redactor([], True))
+    start = time.perf_counter()
+    stats = ingestor.run()
+    seconds = time.perf_counter() - start
+    return {"files": files, "seconds": seconds, "files_per_s": files / seconds, "records": stats.records}
+
+
+def many_files(files: int, lines: int, parent: Path | None) -> None:
+    runs = {}
+    for label, count in (("quarter", max(files // 4, 1)), ("full", files)):
+        with tempfile.TemporaryDirectory(dir=parent) as tmp:
+            runs[label] = files_pass(Path(tmp), count, lines)
+    ratio = runs["full"]["seconds"] / runs["quarter"]["seconds"]
+    size_ratio = runs["full"]["files"] / runs["quarter"]["files"]
+    result = {
+        "files": files,
+        "lines_per_file": lines,
+        "runs": runs,
+        "time_ratio_full_over_quarter": ratio,
+        "files_ratio_full_over_quarter": size_ratio,
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    print(json.dumps(result))
+    table = Table(title=f"OSD ingestion of many small log files ({lines} lines each)")
+    for column in ("run", "files", "seconds", "files/s", "records"):
+        table.add_column(column, justify="right")
+    for label, run in runs.items():
+        table.add_row(
+            label, str(run["files"]), f"{run['seconds']:.1f}", f"{run['files_per_s']:.0f}", str(run["records"])
+        )
+    console = Console(stderr=True)
+    console.print(table)
+    console.print(f"full / quarter: {ratio:.2f}x the time for {size_ratio:.2f}x the files (linear: equal)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=1024, help="size of the large log (the small one is 1/4)")
     parser.add_argument("--token-mb", type=float, default=20, help="size of each token-like line")
     parser.add_argument("--dir", help="where to write the logs and the ingestion state (default: a temp dir)")
+    parser.add_argument("--files", type=int, help="many small files instead: this many (and a quarter as many)")
+    parser.add_argument("--lines", type=int, default=2, help="with --files: chat lines per file")
     args = parser.parse_args()
-    if args.size_mb <= 0 or args.token_mb <= 0:
-        raise UserError("--size-mb and --token-mb must be positive")
+    if args.size_mb <= 0 or args.token_mb <= 0 or (args.files is not None and (args.files < 1 or args.lines < 1)):
+        raise UserError("--size-mb, --token-mb, --files and --lines must be positive")
     parent = Path(args.dir) if args.dir else None
     if parent is not None:
         parent.mkdir(parents=True, exist_ok=True)
+    if args.files is not None:
+        many_files(args.files, args.lines, parent)
+        return
     needed = 2.6 * args.size_mb * 2**20  # the logs and their segments, at both sizes
     free = shutil.disk_usage(parent or tempfile.gettempdir()).free
     if free < needed:

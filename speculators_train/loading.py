@@ -36,6 +36,12 @@ def shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def printable(text: str) -> str:
+    """`text` with every character a terminal would act on or hide (escape sequences, other controls, bidi and
+    zero-width marks) written as its Python escape: a file name from elsewhere printed or stored as it reads."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def describe(exc: BaseException) -> str:
     """A short, single-line account of an exception (no traceback, no multi-line dumps)."""
     if isinstance(exc, RecursionError):

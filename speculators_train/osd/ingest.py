@@ -10,7 +10,8 @@ lines and commits them.
 **Commits.** A pass reads each file from its committed byte offset, stops at the last complete line (a line still
 being written is left for the next pass), and commits every `commit_every` lines (or `commit_bytes` of them): the new
 segment file is written and fsynced first, then `state.json` is replaced atomically, naming it together with the new
-offsets. A crash before the state lands leaves an unnamed segment, deleted on the next start, and the same lines are
+offsets. One batch runs across files, and with more than 4 x `commit_every` files tracked a commit waits for a
+quarter as many lines as files: the state names every file, so a pass stays linear in its files. A crash before the state lands leaves an unnamed segment, deleted on the next start, and the same lines are
 read again; after it lands they are never read again. So each log line ends up in exactly one committed segment,
 whatever moment a kill -9 hits.
 
@@ -46,6 +47,7 @@ from speculators_train.osd.logfiles import (
     HEAD_BYTES,
     TAIL_BYTES,
     LogFile,
+    Relatives,
     classify,
     content,
     continue_copy,
@@ -90,6 +92,9 @@ class LogIngestor:
         self.state_path = root / INGEST_STATE
         self.segments_dir.mkdir(parents=True, exist_ok=True)
         self.notes: list[str] = []
+        self._batch: list[dict[str, Any]] = []  # read, not yet committed: the state's offsets already count it
+        self._batch_bytes = 0
+        self._commit_lines = commit_every
         state = read_json(self.state_path, "ingestion state") if self.state_path.is_file() else None
         self.state = checked(state, self.state_path) if state is not None else empty_state()
         self._committed = json.dumps(self.state, sort_keys=True)
@@ -109,14 +114,21 @@ class LogIngestor:
         stats = IngestStats(notes=self.notes)
         self.notes = []
         classify(self.state, files, stats.notes)
+        relatives = Relatives(files, self.state)
+        # One batch runs across files, so a pass over N small files commits N / commit_every times, not N: each
+        # commit rewrites the state, which names every file.
+        self._batch, self._batch_bytes = [], 0
+        # Each commit rewrites the state, which names every file: with many files, commit every quarter as many
+        # lines as files, so a pass's commits cost linear time in its lines and files together.
+        self._commit_lines = max(self.commit_every, len(self.state["files"]) // 4)
         for f in files:
             stats.files += 1
-            self._ingest_file(f, files, stats)
-        if json.dumps(self.state, sort_keys=True) != self._committed:
-            self._commit([])  # offsets moved past blank lines only, files renamed, retired or advanced
+            self._ingest_file(f, relatives, stats)
+        if self._batch or json.dumps(self.state, sort_keys=True) != self._committed:
+            self._commit(self._batch)  # and offsets moved past blank lines only, files renamed, retired or advanced
         return stats
 
-    def _ingest_file(self, f: LogFile, files: list[LogFile], stats: IngestStats) -> None:
+    def _ingest_file(self, f: LogFile, relatives: Relatives, stats: IngestStats) -> None:
         entry = self.state["files"][f.key]
         try:
             fd = os.open(f.path, os.O_RDONLY)
@@ -126,13 +138,12 @@ class LogIngestor:
             st = os.fstat(fh.fileno())
             if f"{st.st_dev}:{st.st_ino}" != f.key or not matches(fh.fileno(), st.st_size, entry):
                 return  # replaced or rewritten since the listing: the next pass sees it as it is then
-            continue_copy(self.state, fh, st.st_size, f, entry, files, stats.notes)
+            continue_copy(self.state, fh, st.st_size, f, entry, relatives.of(f.name), stats.notes)
             if entry["name"] != f.name:
                 entry["name"], entry["origin"] = f.name, None  # renamed: its next lines are read under the new name
             head, tail = fingerprints(fh.fileno(), entry["offset"])
             fh.seek(entry["offset"])
-            batch: list[dict[str, Any]] = []
-            batch_bytes = 0
+            batch = self._batch
             for line in read_lines(fh, self.max_line_bytes):
                 if entry["origin"] is None:
                     entry["origin"] = self._origin_name(f.name)
@@ -147,15 +158,14 @@ class LogIngestor:
                     batch.append(self._quarantine(origin, reason, "", stats))
                 elif line.text.strip():
                     batch.append(self._entry(line.text.strip(), origin, stats))
-                    batch_bytes += line.size
-                if len(batch) >= self.commit_every or batch_bytes >= self.commit_bytes:
+                    self._batch_bytes += line.size
+                if len(batch) >= self._commit_lines or self._batch_bytes >= self.commit_bytes:
                     entry.update(content(entry["offset"], entry["lines"], head, tail))
                     self._commit(batch)
-                    batch, batch_bytes = [], 0
+                    batch = self._batch = []
+                    self._batch_bytes = 0
             entry.update(content(entry["offset"], entry["lines"], head, tail))
             stats.pending_bytes += max(0, os.fstat(fh.fileno()).st_size - entry["offset"])
-            if batch:
-                self._commit(batch)
 
     def _origin_name(self, name: str) -> str:
         """`name` for the first content read under it, `name#k` for the k-th: an origin names one line for good."""

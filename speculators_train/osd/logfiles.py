@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from speculators_train.loading import printable
 from speculators_train.osd.redact import Redactor
 
 HEAD_BYTES = 4096  # fingerprint of a file's first bytes: what must not change while it is the same file
@@ -92,6 +93,41 @@ def related(name: str, other: str) -> bool:
     """One of the two files may hold a copy of the other's content: the same base name, or one starts with the other's
     stem and a separator (`app.jsonl.1`, `app-2024-01-01.jsonl` and `app_old.jsonl` for `app.jsonl`)."""
     return _derived(name, other) or _derived(other, name)
+
+
+def _base(name: str) -> str:
+    return name.rsplit("/", 1)[-1]
+
+
+def _separated(base: str) -> set[str]:
+    """`base` and each of its prefixes that a separator follows: the stems a name derived from it may start with."""
+    return {base, *(base[:i] for i, c in enumerate(base) if c in ".-_")}
+
+
+class Relatives:
+    """A pass's files by the names `related` compares (each under its name now and its name in the state), so each
+    file's relatives are looked up, not searched for among every file: a pass stays linear in the number of files."""
+
+    def __init__(self, files: list[LogFile], state: dict[str, Any]) -> None:
+        self._by: dict[tuple[str, str], dict[str, int]] = {}
+        self._files = files
+        for position, f in enumerate(files):
+            for name in {f.name, state["files"][f.key]["name"]}:
+                self._add(("base", _base(name)), f, position)
+                self._add(("stem", _stem(name)), f, position)
+                for prefix in _separated(_base(name)):
+                    self._add(("prefix", prefix), f, position)
+
+    def _add(self, index: tuple[str, str], f: LogFile, position: int) -> None:
+        self._by.setdefault(index, {})[f.key] = position
+
+    def of(self, name: str) -> list[LogFile]:
+        """Every file that may be `related` to `name` (a superset: the caller checks), in listing order."""
+        found = dict(self._by.get(("base", _base(name)), {}))
+        for prefix in _separated(_base(name)):  # files whose stem `name` starts with
+            found.update(self._by.get(("stem", prefix), {}))
+        found.update(self._by.get(("prefix", _stem(name)), {}))  # files that start with `name`'s stem
+        return [self._files[i] for i in sorted(found.values())]
 
 
 def _count_lines(fh: BinaryIO, start: int, end: int) -> tuple[int, int]:
@@ -166,14 +202,15 @@ def log_files(logs: Path, root: Path, redact: Redactor, notes: list[str]) -> lis
             continue  # gone since the listing
         resolved = path.resolve()
         if resolved_logs not in resolved.parents:  # a link out of the logs directory: never copied into the store
-            name = redact.without_hook(path.relative_to(logs).as_posix())
+            name = printable(redact.without_hook(path.relative_to(logs).as_posix()))
             notes.append(f"{name}: a link to a file outside {logs}, not read")
             continue
         if not path.is_file() or resolved == own or own in resolved.parents:
             continue  # our own segments, when the run directory lies under the logs
         key = f"{st.st_dev}:{st.st_ino}"
         # A name reaches every record's origin and the state: a token in a file name is redacted there too.
-        name = redact.without_hook(path.relative_to(logs).as_posix())
+        # and escape sequences in one are written out, never sent to a terminal
+        name = printable(redact.without_hook(path.relative_to(logs).as_posix()))
         found.setdefault(key, LogFile(path, name, key, st.st_size))
     return list(found.values())
 
@@ -213,7 +250,8 @@ def continue_copy(
     notes: list[str],
 ) -> None:
     """Skip what this file shares with content already read: retired content it is a copy of (copytruncate's copy,
-    made before the truncation), or a tracked file it copies (a pass between the copy and the truncation)."""
+    made before the truncation), or a tracked file it copies (a pass between the copy and the truncation).
+    `files`: the pass's files that may be related to this one (`Relatives.of`)."""
     fd = fh.fileno()
     for retired in list(state["retired"]):
         if retired["offset"] > entry["offset"] and related(f.name, retired["name"]) and matches(fd, size, retired):

@@ -196,6 +196,11 @@ SECRETS = [  # (id, text holding it, the secret, the label left)
     ("cyrillic_lookalike_label", "p\u0430ssw\u043erd: Rt5yU8iO", "Rt5yU8iO", "[PASSWORD]"),
     ("slack_app_token", "xapp-1-A02ABCDEF-1234567890-abcdef0123456789", "1234567890-abcdef", "[API_KEY]"),
     ("google_refresh_token", "1//0gX7kLmNoPqRsTuVwXyZ0123456789", "gX7kLmNoPqRsTuVwXyZ", "[TOKEN]"),
+    ("pgpass_in_backticks", "my pgpass has `db.example.com:5432:mydb:alice:S3cr!t9` in it", "S3cr!t9", "[PASSWORD]"),
+    ("pgpass_quoted", 'add "db:5432:app:bob:Pa55word" to ~/.pgpass', "Pa55word", "[PASSWORD]"),
+    ("password_on_the_next_line", "password:\n  hunter2xyz\nuser: bob", "hunter2xyz", "[PASSWORD]"),
+    ("yaml_literal_password", "db:\n  password: |\n    s3cr3t-v4lue\n  user: x", "s3cr3t-v4lue", "[PASSWORD]"),
+    ("yaml_folded_password", "password: >-\n  another-Secret1", "another-Secret1", "[PASSWORD]"),
 ]
 
 
@@ -287,6 +292,12 @@ def test_a_record_id_holding_an_email_is_redacted(tmp_path, key):
         "proxy_pass http://127.0.0.1:8000; ping 0.0.0.0",  # loopback and unspecified addresses name no one
         "Sample Output: 1 3 5 7 9 11 13 15 17 19",  # a digit run passing Luhn by chance, without an issuer digit
         "\u041f\u0430\u0440\u043e\u043b\u044c \u0441\u043e\u0440 \u0440\u043e\u0441",  # Russian in look-alike letters
+        "git clone git@github.com:org/repo.git && scp me@host.example.com:notes.txt .",  # scp addresses, no mailbox
+        "PWD=/home/alice OLDPWD=~/src",  # the shell's working directories
+        "pass: 3\nfail: 0",  # a test summary's counts
+        '{"primary_key": "user_id1", "hotkey": "ctrl+shift+1", "cache key": "user:123456"}',  # names ending in key
+        "Windows version 10.0.0.1, pip install pkg==1.2.3.4, v2.0.1.7",  # four-part version numbers
+        "password:\n  secretKeyRef:\n    name: db",  # a Kubernetes reference to a secret, not one
     ],
     ids=[
         "identifier_with_sk_",
@@ -309,6 +320,12 @@ def test_a_record_id_holding_an_email_is_redacted(tmp_path, key):
         "loopback_addresses",
         "luhn_by_chance",
         "russian_lookalikes",
+        "scp_addresses",
+        "working_directories",
+        "counts_after_pass",
+        "names_ending_in_key",
+        "version_numbers",
+        "secret_reference",
     ],
 )
 def test_ordinary_text_is_left_alone(text):
@@ -717,3 +734,37 @@ def test_a_state_of_the_name_keyed_format_is_migrated(tmp_path, rotated_since):
     assert ids_once(ing) == list(range(11 if rotated_since else 10))
     assert ing.state["version"] == 2 and json.loads((root / "state.json").read_text())["version"] == 2
     assert ("a.jsonl.1:9" if rotated_since else "a.jsonl:9") in {e["origin"] for e in ing.entries()}
+
+
+def test_a_pass_over_many_files_commits_per_batch_and_finds_relatives_by_name(tmp_path, monkeypatch):
+    """Linear in the number of files (10,000 files once took 611 s): one batch runs across files, so 300 one-line
+    files commit the state (which names every file) twice, not 300 times; and a file's relatives for copy detection
+    are looked up by name, not compared with every file."""
+    from speculators_train.osd import ingest as ingest_module
+    from speculators_train.osd.logfiles import Relatives, log_files
+
+    logs = tmp_path / "logs"
+    for i in range(300):
+        write(logs / f"app-{i:05d}.jsonl", [line(i)])
+    write(logs / "svc.jsonl", [line(300)])
+    write(logs / "svc.jsonl.1", [line(301)])
+    writes = []
+    real = ingest_module.atomic_write_json
+    monkeypatch.setattr(ingest_module, "atomic_write_json", lambda *a, **k: (writes.append(1), real(*a, **k)))
+    ing = ingestor(logs, tmp_path / "state", commit_every=256)
+    assert ing.run().records == 302 and len(writes) == 2
+    assert sorted(ids_once(ing)) == list(range(302))
+    files = log_files(logs, tmp_path / "state", Redactor([], True), [])
+    relatives = Relatives(files, ing.state)
+    assert [f.name for f in relatives.of("app-00007.jsonl")] == ["app-00007.jsonl"]
+    assert [f.name for f in relatives.of("svc.jsonl.1")] == ["svc.jsonl", "svc.jsonl.1"]
+
+
+def test_a_file_name_holding_terminal_escapes_is_printed_and_stored_escaped(tmp_path):
+    logs = tmp_path / "logs"
+    write(logs / "a\x1b[2J\x1b]0;owned\x07.jsonl", [line(1)])
+    ing = ingestor(logs, tmp_path / "state")
+    ing.run()
+    (entry,) = ing.entries()
+    assert entry["origin"] == "a\\x1b[2J\\x1b]0;owned\\x07.jsonl:1"
+    assert "\x1b" not in (tmp_path / "state" / "state.json").read_text()

@@ -47,12 +47,18 @@ def emails(text: str, label: str) -> str:
         for suffix in _SUFFIX.finditer(text, at.end() + 1, domain_end):
             end = suffix.end()
         start = _local_start(text, at.start(), done)
-        if end < 0 or start == at.start():
+        if end < 0 or start == at.start() or _scp_address(text, end):
             continue
         out += [text[done:start], label]
         done = end
     out.append(text[done:])
     return "".join(out)
+
+
+def _scp_address(text: str, end: int) -> bool:
+    """`user@host` followed by `:path` with no space (`git@github.com:org/repo.git`, scp's `user@host:file`): an
+    address of a repository or a file, which names no mailbox."""
+    return text[end : end + 1] == ":" and end + 1 < len(text) and not text[end + 1].isspace()
 
 
 def _spans(pattern: re.Pattern[str], keep: Callable[[str], bool]) -> Callable[[str, str], str]:
@@ -112,7 +118,12 @@ def _ipv6(candidate: str) -> bool:
 _CARD = re.compile(r"(?<![0-9])[0-9](?:[ \-]?[0-9]){12,18}(?![0-9])")
 _IBAN = re.compile(r"(?<![A-Za-z0-9])[A-Z]{2}[0-9]{2}(?: ?[A-Z0-9]){11,30}(?![A-Za-z0-9])")
 _PHONE = re.compile(r"(?<![\w+])\+[1-9][0-9 ().\-]{6,22}[0-9](?![0-9])")
-_IPV4 = re.compile(r"(?<![0-9.])(?:[0-9]{1,3}\.){3}[0-9]{1,3}(?!\.?[0-9])")
+# Not after what writes a version number (`v1.2.3.4`, `version 10.0.0.1`, `pkg==1.2.3.4`, `build 4.0.1.2`)
+_VERSIONED = "".join(
+    f"(?<!{before})" for before in ("[vV]", "[vV]ersion ", "[vV]ersion: ", "==", "~=", ">=", "<=", "[bB]uild ",
+                                    "[rR]elease ", "[vV]er\\. ")
+)  # fmt: skip
+_IPV4 = re.compile(rf"(?<![0-9.]){_VERSIONED}(?:[0-9]{{1,3}}\.){{3}}[0-9]{{1,3}}(?!\.?[0-9])")
 _IPV6 = re.compile(r"(?<![0-9A-Fa-f:])[0-9A-Fa-f:]{3,39}(?![0-9A-Fa-f:])")  # a run of hex digits and colons
 
 # Private keys: a header whose words a wrap may split, a PuTTY key file, or a body without its header (the DER

@@ -63,6 +63,17 @@ _WITH_DIGIT = r"(?:(?=[^\s\"',;&]{0,256}?[0-9])|(?=[^\s\"',;&]{32}))[^\s\"',;&]{
 # not in prose (`1-day pass: 2,400 yen`)
 _PASS = r"(?:(?<=[_\"'&?;,{(])|(?<![^\n])[ \t]*)pass"
 _SECRET_WORDS = r"(?:key|token|secret|pass(?:word)?|pwd|pw)"
+_STRONG_WORDS = r"(?:token|secret|pass(?:word)?|pwd|pw)"  # `key` alone also ends `primary_key`, `hotkey`, `sort_key`
+# A value after a bare `key` label looks generated only when longer: 16+ characters of a token's alphabet with a digit
+# (`primary_key: user_id1`, `hotkey: ctrl+shift+1`, `cache key: user:123456` are names, not keys), or 32+ of any
+_KEY_VALUE = (
+    r"(?:(?=[A-Za-z0-9_\-+/=]{0,256}?[0-9])[A-Za-z0-9_\-+/=]{16,}(?![^\s\"',;&])|(?=[^\s\"',;&]{32})[^\s\"',;&]+)"
+)
+# Working directories, not passwords: the shell's `PWD=/home/me` and `OLDPWD=~/src`
+_NOT_A_DIRECTORY = r"(?!(?:pwd|PWD)[ \t]*=[ \t]*[\"']?[/~])"  # (?i) rules run on the lowered text
+# A count after a label (`pass: 3` in a test summary), not a password
+_NOT_A_COUNT = r"(?![0-9]{1,3}(?![^\s\"',;&]))"
+_BLOCK_SCALAR = r"[|>][+\-]?[0-9]?[ \t]*"  # YAML's `|`, `>-`, `|2`: the value is on the lines below
 _PROSE_LINKS = r"(?:is|was|=|will be|would be|should be|set to|is set to|is now|changed to|reset to)"
 
 RULES: tuple[Rule, ...] = (
@@ -211,12 +222,14 @@ RULES: tuple[Rule, ...] = (
         "the password of a .netrc entry (machine h login u password X) and of a .pgpass line "
         "(host:port:db:user:X); the rest kept",
         "[PASSWORD]",
-        r"(?i)password\s|(?m)^[^:\s]+:(?:[0-9]+|\*):[^:\s]+:[^:\s]+:\S",
+        r"(?i)password\s|[^:\s]+:(?:[0-9]+|\*):[^:\s]+:[^:\s]+:\S",
         (
             r"(?i)(?P<keep>\b(?:machine[ \t\r\n]+\S{1,256}|default)"
             r"(?:[ \t\r\n]+(?:login|account|port)[ \t\r\n]+\S{1,256}){0,3}[ \t\r\n]+password[ \t\r\n]+)"
             rf"{_UNLABELLED}\S+",
-            rf"(?m)(?P<keep>^[^:\s#]{{1,256}}:(?:[0-9]{{1,5}}|\*):[^:\s]{{1,256}}:[^:\s]{{1,256}}:){_UNLABELLED}\S+",
+            # at a line's start, or quoted in a sentence (after a space, a quote or a backtick)
+            r"(?m)(?P<keep>(?:^|(?<=[ \t`'\"]))[^:\s#`'\"]{1,256}:(?:[0-9]{1,5}|\*):[^:\s]{1,256}:[^:\s]{1,256}:)"
+            rf"{_UNLABELLED}[^\s`'\"]+",
         ),
     ),
     Rule(
@@ -225,8 +238,12 @@ RULES: tuple[Rule, ...] = (
         "[PASSWORD]",
         rf"(?i)(?:password|passwd|passphrase|passcode|pwd|pass){_LABEL_SEP}",
         (
-            rf"(?i)(?P<keep>(?:password|passwd|passphrase|passcode|pwd|{_PASS}){_LABEL_SEP})"
-            rf"{_UNLABELLED}{_NOT_A_VALUE}{_VALUE}",
+            rf"(?i)(?P<keep>(?:password|passwd|passphrase|passcode|{_NOT_A_DIRECTORY}pwd|{_PASS}){_LABEL_SEP})"
+            rf"{_UNLABELLED}{_NOT_A_VALUE}{_NOT_A_COUNT}(?!{_BLOCK_SCALAR}(?:\r?\n|$)){_VALUE}",
+            # the value on the next line: `password:` alone on its line, or a YAML block scalar (`password: |`),
+            # not a nested mapping's key (`password:\n  secretKeyRef:`) or a list
+            rf"(?i)(?P<keep>(?:password|passwd|passphrase|passcode)[\"']?[ \t]*:[ \t]*(?:{_BLOCK_SCALAR})?"
+            rf"\r?\n[ \t]*){_UNLABELLED}{_NOT_A_VALUE}(?![^\s:]{{0,256}}:(?:\s|$))(?!-\s)[^\s]+",
         ),
     ),
     Rule(
@@ -269,7 +286,7 @@ RULES: tuple[Rule, ...] = (
         r"(?:SECRET|TOKEN|KEY|PASS|PASSWORD|PASSWD|PWD|CREDENTIALS|AUTH)[ \t]*=",
         (
             r"(?m)(?P<keep>^[ \t]*(?:export[ \t]+)?(?:[A-Z][A-Z0-9_]{0,64}_)?"
-            r"(?:SECRET|TOKEN|KEY|PASS|PASSWORD|PASSWD|PWD|CREDENTIALS|AUTH)[ \t]*=[ \t]*[\"']?)"
+            rf"(?:SECRET|TOKEN|KEY|PASS|PASSWORD|PASSWD|{_NOT_A_DIRECTORY}PWD|CREDENTIALS|AUTH)[ \t]*=[ \t]*[\"']?)"
             rf"{_UNLABELLED}{_NOT_A_VALUE}[^\s\"']+",
         ),
     ),
@@ -298,7 +315,8 @@ RULES: tuple[Rule, ...] = (
         rf"(?i){_SECRET_WORDS}(?:[\"'\]]|[ \t]*[:=]|[ \t]+[\"'])|(?:ibm|iam|cloudant|softlayer|cos|hmac|sl|cl)[\w\-]*"
         rf"{_SECRET_WORDS}",
         (
-            rf"(?i)(?P<keep>{_SECRET_WORDS}{_LOOSE_SEP})(?!\[){_NOT_A_VALUE}{_WITH_DIGIT}",
+            rf"(?i)(?P<keep>{_STRONG_WORDS}{_LOOSE_SEP})(?!\[){_NOT_A_VALUE}{_WITH_DIGIT}",
+            rf"(?i)(?P<keep>key{_LOOSE_SEP})(?!\[){_NOT_A_VALUE}{_KEY_VALUE}",
             r"(?i)(?P<keep>(?<![a-z])(?:ibm|iam|cloudant|softlayer|cos|hmac|sl|cl|clou)"
             r"(?:[_\-]{0,2}(?:cloud|iam|cos|hmac|api|secret|access))*[_\-]{0,2}"
             rf"{_SECRET_WORDS}[\"'\]]{{0,2}}\s{{0,256}}(?:[:=]{{1,2}}>?)?\s{{0,256}}[\"']?)(?!\[){_NOT_A_VALUE}"
