@@ -13,6 +13,8 @@
 3. Ordinary text: --messages ShareGPT messages through the same redactor: the share changed, the characters
    removed and the labels left, so recall is not bought with damaged training data; and its throughput: a cold
    pass (RE2 builds its automata's states as it meets them) and the best of three warm passes (a running service).
+   The same for --code-messages ShareGPT messages that hold a code block, and for `ORDINARY`, strings a redactor
+   once altered, each of which must come out unchanged.
 
 Prints one JSON line and two tables.
 """
