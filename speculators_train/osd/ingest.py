@@ -11,8 +11,9 @@ lines and commits them.
 being written is left for the next pass), and commits every `commit_every` lines (or `commit_bytes` of them): the new
 segment file is written and fsynced first, then `state.json` is replaced atomically, naming it together with the new
 offsets. One batch runs across files, and with more than 4 x `commit_every` files tracked a commit waits for a
-quarter as many lines as files: the state names every file, so a pass stays linear in its files. A crash before the state lands leaves an unnamed segment, deleted on the next start, and the same lines are
-read again; after it lands they are never read again. So each log line ends up in exactly one committed segment,
+quarter as many lines as files: the state names every file, so a pass stays linear in its files. A crash before
+the state lands leaves an unnamed segment, deleted on the next start, and the same lines are read again; after it
+lands they are never read again. So each log line ends up in exactly one committed segment,
 whatever moment a kill -9 hits.
 
 Origins are `name:line`, the name the line was read under and its line number in that file (a renamed or copied
