@@ -66,19 +66,18 @@ class VerifyReport(NamedTuple):
 def latest_verify_report(recipe: Recipe, checkpoint: Path, engine: str = "native") -> VerifyReport | None:
     """The newest `verify` results measured on this very checkpoint in `engine`, if any (an engine's draftless
     baselines name no checkpoint; its draft records must name this one). Records a reader cannot compute with are
-    left out and named in `skipped`."""
+    left out of `records` and named in `skipped` (all of them, for a report of damaged records only)."""
     for results in verify_results(recipe.run_dir):
         try:
             records = read_json(results, "verify results")
         except UserError:
             continue
-        if not isinstance(records, list):
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
             continue  # not a report `verify` wrote: as unreadable as a damaged one
-        kept, skipped = checked_records(results, records)
-        drafted = [r for r in kept if r.get("checkpoint")]
-        same = [Path(r["checkpoint"]).resolve() == checkpoint.resolve() for r in drafted]
-        if drafted and all(same) and all(r.get("engine", "native") == engine for r in kept):
-            return VerifyReport(results, kept, skipped)
+        named = [r["checkpoint"] for r in records if isinstance(r.get("checkpoint"), str) and r["checkpoint"]]
+        same = [Path(c).resolve() == checkpoint.resolve() for c in named]
+        if named and all(same) and all(r.get("engine", "native") == engine for r in records):
+            return VerifyReport(results, *checked_records(results, records))
     return None
 
 
@@ -184,7 +183,7 @@ def _acceptance_lines(recipe: Recipe, checkpoint: Path) -> list[str]:
     """The card's measured acceptance, from the newest `verify` results on this checkpoint."""
     lines = []
     report = latest_verify_report(recipe, checkpoint)
-    if report is None:
+    if report is None or not report.records:
         lines.append(f"Not measured yet: `speculators-train verify {recipe.source_path} --draft {checkpoint}`.")
     else:
         results, records, _ = report

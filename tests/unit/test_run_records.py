@@ -85,11 +85,13 @@ def test_skipped_records_are_counted_with_the_file_and_index_and_the_rest_still_
     assert any("3 verify record(s) skipped" in n and "record 0: `speedup`" in n for n in notes), notes
 
 
-def test_a_report_of_only_bad_records_decides_nothing(tmp_path):
+def test_a_report_of_only_bad_records_decides_nothing_and_says_why(tmp_path):
     ckpt = tmp_path / "ckpt"
     recipe = write_run(tmp_path, [{**record(RATES), "checkpoint": str(ckpt), "speedup": "x"}])
-    assert latest_verify_report(recipe, ckpt) is None  # type: ignore[arg-type]
-    assert serving_k(recipe, ckpt, "native", 4, False) == (4, [])  # type: ignore[arg-type]
+    report = latest_verify_report(recipe, ckpt)  # type: ignore[arg-type]
+    assert report.records == [] and len(report.skipped) == 1
+    k, notes = serving_k(recipe, ckpt, "native", 4, False)  # type: ignore[arg-type]
+    assert k == 4 and len(notes) == 1 and "record 0: `speedup` must be a finite number above 0" in notes[0]
 
 
 def test_a_verify_pass_of_zero_seconds_is_not_a_measurement():
