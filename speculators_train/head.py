@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,24 +20,85 @@ from speculators_train.loading import open_tensors, reading
 from speculators_train.origin import TargetConfig, _weight_map, resolve_origin
 
 
-def logit_softcap(config) -> float | None:
-    """The target's final logit soft-capping (Gemma 2/3: logits = cap * tanh(logits / cap)), None without one.
-    Refuses a head that scales its logits (Cohere, Granite), which this module does not reproduce, so a draft is
-    never distilled against logits that are not the target's."""
+@dataclass(frozen=True)
+class LogitTransform:
+    """What the target's class does to its lm_head's output: multiply by `factor` (Cohere's `logit_scale`) or
+    divide by it (`divide`: Granite's `logits_scaling`), then soft-cap at `cap` (Gemma 2/3: cap * tanh(x / cap)); with
+    `cap_first`, the cap comes first."""
+
+    factor: float = 1.0
+    divide: bool = False
+    cap: float | None = None
+    cap_first: bool = False
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` transformed as HF computes them, operation by operation (unchanged for a plain head)."""
+        if self.cap is not None and self.cap_first:
+            logits = torch.tanh(logits / self.cap) * self.cap
+        if self.factor != 1.0:
+            logits = logits / self.factor if self.divide else logits * self.factor
+        if self.cap is not None and not self.cap_first:
+            logits = torch.tanh(logits / self.cap) * self.cap
+        return logits
+
+
+def logit_transform(config) -> LogitTransform:
+    """The final-logit transform of the target's class, measured on the class itself (`_probe`): its forward with
+    the decoder and lm_head replaced, so whatever it applies after lm_head (a scale, a division, soft-capping, both)
+    is what a training head applies. A transform these do not describe is refused, so a draft is never distilled
+    against logits that are not the target's."""
+    key = config.to_json_string(use_diff=False)
+    if key not in _TRANSFORMS:
+        _TRANSFORMS[key] = _measured(config)
+    return _TRANSFORMS[key]
+
+
+_TRANSFORMS: dict[str, LogitTransform] = {}
+
+
+def _probe(config, values: torch.Tensor) -> torch.Tensor:
+    """The target class's logits for lm_head outputs `values` [T] (its forward on the meta-built model, with a
+    decoder that returns `values` as its last state and an identity lm_head)."""
+    from transformers.modeling_outputs import MoeModelOutputWithPast
+
+    class Decoder(nn.Module):
+        def forward(self, *args, **kwargs):
+            return MoeModelOutputWithPast(last_hidden_state=values.reshape(1, -1, 1))
+
+    model = meta_model(config)
+    setattr(model, model.base_model_prefix, Decoder())
+    model.set_output_embeddings(nn.Identity())
+    with torch.no_grad():
+        out = model(input_ids=torch.zeros(1, values.numel(), dtype=torch.long), use_cache=False)
+    return out.logits.reshape(-1).double()
+
+
+def _measured(config) -> LogitTransform:
+    """The transform `_probe` shows: its factor from lm_head outputs small enough that a cap is linear there, taken
+    as the config value it equals (multiplied) or inverts (divided by), then checked on large outputs."""
     text = text_config(config)
-    scales = {key: getattr(text, key, None) for key in ("logit_scale", "logits_scaling")}
-    scales = {key: value for key, value in scales.items() if value not in (None, 1, 1.0)}
-    if scales:
-        raise UserError(
-            f"target model_type {text.model_type!r} scales its logits ({scales}): the training head reproduces the "
-            "target's final norm + lm_head with optional soft-capping only"
-        )
-    return getattr(text, "final_logit_softcapping", None) or None
-
-
-def softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """cap * tanh(logits / cap), in the order HF computes it; `logits` unchanged without a cap."""
-    return logits if cap is None else torch.tanh(logits / cap) * cap
+    cap = getattr(text, "final_logit_softcapping", None) or None
+    small = torch.tensor([1e-4, -2e-4, 3e-4], dtype=torch.float32)
+    scale = (_probe(config, small) / small.double()).mean().item()
+    factor, divide = scale, False
+    for name, value in vars(text).items():
+        if "logit" in name and isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            if math.isclose(scale, value, rel_tol=1e-3):
+                factor, divide = float(value), False
+            elif math.isclose(scale, 1 / value, rel_tol=1e-3):
+                factor, divide = float(value), True
+    if math.isclose(scale, 1.0, rel_tol=1e-3):
+        factor, divide = 1.0, False
+    candidates = [LogitTransform(factor, divide, cap, first) for first in (False, True)] if cap else []
+    large = torch.tensor([-90.0, -7.5, 0.5, 12.0, 75.0], dtype=torch.float32)
+    seen = _probe(config, large)
+    for candidate in candidates or [LogitTransform(factor, divide)]:
+        if torch.allclose(candidate(large.double()), seen, rtol=1e-4, atol=1e-4):
+            return candidate
+    raise UserError(
+        f"target model_type {text.model_type!r} transforms its logits in a way the training head does not "
+        f"reproduce (after lm_head: {large.tolist()} -> {[round(v, 4) for v in seen.tolist()]})"
+    )
 
 
 def norm_offset(norm: nn.Module) -> float:
@@ -58,7 +121,9 @@ class TargetHead(nn.Module):
     """The target's final norm + lm_head (+ logit soft-capping where the target has it), frozen: turns stored
     pre-norm states into target logits."""
 
-    def __init__(self, norm: nn.Module, lm_head_weight: torch.Tensor, softcap: float | None = None) -> None:
+    def __init__(
+        self, norm: nn.Module, lm_head_weight: torch.Tensor, transform: LogitTransform = LogitTransform()
+    ) -> None:
         super().__init__()
         self.norm = norm
         # on the weight's device: a head made from a CUDA target must not compute on the CPU
@@ -67,27 +132,27 @@ class TargetHead(nn.Module):
         )
         with torch.no_grad():
             self.lm_head.weight.copy_(lm_head_weight)
-        self.softcap = softcap
+        self.transform = transform
         self.requires_grad_(False)
 
     @classmethod
     def from_weights(cls, config, weights: dict[str, torch.Tensor]) -> TargetHead:
         """From `load_head_weights`' config and tensors, without the model: the final norm is a module of the
         target's own class (Llama's RMSNorm, Gemma's 1 + w, whatever the architecture uses)."""
-        softcap = logit_softcap(config)  # first: a head this module does not reproduce is refused before any work
+        transform = logit_transform(config)  # first: a head this module does not reproduce is refused before any work
         norm = copy.deepcopy(text_decoder(meta_model(config)).norm).to_empty(device="cpu").float()
         with torch.no_grad():
             for name, param in norm.named_parameters():
                 param.copy_(weights[HEAD_NORM_PREFIX + name])
-        return cls(norm, weights["lm_head"], softcap)
+        return cls(norm, weights["lm_head"], transform)
 
     def forward(self, final: torch.Tensor) -> torch.Tensor:
-        return softcapped(self.lm_head(self.norm(final)), self.softcap)
+        return self.transform(self.lm_head(self.norm(final)))
 
     def on(self, final: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The target's logits over the ids whose lm_head rows are `weight` only (a draft vocabulary), float32."""
         normed = self.norm(final.to(self.lm_head.weight.dtype))
-        return softcapped(nn.functional.linear(normed, weight), self.softcap).float()
+        return self.transform(nn.functional.linear(normed, weight)).float()
 
     @torch.no_grad()
     def greedy(self, final: torch.Tensor) -> torch.Tensor:

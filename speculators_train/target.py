@@ -24,7 +24,7 @@ from torch import nn
 
 from speculators_train.architectures import is_composite, model_class, nextn_layer_prefixes, text_config, text_decoder
 from speculators_train.errors import UserError
-from speculators_train.head import TargetHead, logit_softcap, meta_model, softcapped
+from speculators_train.head import TargetHead, logit_transform, meta_model
 from speculators_train.loading import describe, reading
 from speculators_train.origin import TargetConfig, resolve_origin
 from speculators_train.packed import packed_linears
@@ -254,11 +254,12 @@ class Target:
     def head(self) -> TargetHead:
         """The target's final norm + lm_head as a frozen head: its own norm module and lm_head weight (shared, not
         copied for the norm)."""
-        return TargetHead(self.final_norm, self.lm_head.weight.detach(), logit_softcap(self.config))
+        return TargetHead(self.final_norm, self.lm_head.weight.detach(), logit_transform(self.config))
 
     def logits_from_final(self, final: torch.Tensor) -> torch.Tensor:
-        """Target logits from a stored pre-norm final state: lm_head(norm(h_N)), soft-capped as the target caps."""
-        return softcapped(self.lm_head(self.final_norm(final)), logit_softcap(self.config))
+        """Target logits from a stored pre-norm final state: lm_head(norm(h_N)), scaled and soft-capped as the
+        target's class does."""
+        return logit_transform(self.config)(self.lm_head(self.final_norm(final)))
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:

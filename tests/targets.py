@@ -278,6 +278,13 @@ MATRIX = [
     ),
     Arch("phi3", "phi3", "phi3", {"tie_word_embeddings": False}, ("fused qkv",)),
     Arch(
+        "granitemoe",
+        "granitemoe",
+        "chatml",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "logits_scaling": 8.0, "embedding_multiplier": 12.0},
+        ("MoE", "logits divided by logits_scaling", "scaled embeddings"),
+    ),
+    Arch(
         "gpt-oss",
         "gpt_oss",
         "harmony",

@@ -118,11 +118,18 @@ SMALL = {
 
 @pytest.mark.parametrize(
     ("model_type", "extra"),
-    [("llama", {}), ("gemma", {}), ("gemma2", {"final_logit_softcapping": 3.0})],
+    [
+        ("llama", {}),
+        ("gemma", {}),
+        ("gemma2", {"final_logit_softcapping": 3.0}),
+        ("granite", {"logits_scaling": 8.0}),
+        ("cohere", {"logit_scale": 0.0625}),
+    ],
 )
 def test_training_head_gives_the_targets_own_logits(tmp_path, model_type, extra):
     """TargetHead, built from the saved weights without the model, turns the last pre-norm state into the model's
-    logits: Llama's RMSNorm, Gemma's x * (1 + w), and Gemma 2's soft-capping."""
+    logits: Llama's RMSNorm, Gemma's x * (1 + w), Gemma 2's soft-capping, Granite's division by logits_scaling and
+    Cohere's multiplication by logit_scale (each read off the class's own forward)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -146,15 +153,30 @@ def test_training_head_gives_the_targets_own_logits(tmp_path, model_type, extra)
     final = finals[0][0] if isinstance(finals[0], tuple) else finals[0]
     torch.testing.assert_close(head(final), ref)
     if model_type != "llama":  # Llama's head is measurably wrong here
-        llama = LlamaRMSNorm(32, eps=config.rms_norm_eps)
+        llama = LlamaRMSNorm(32, eps=getattr(config, "rms_norm_eps", None) or config.layer_norm_eps)
         llama.weight.data.copy_(weights["norm"])
         assert not torch.allclose(TargetHead(llama, weights["lm_head"])(final), ref, atol=1e-2)
 
 
-def test_a_target_head_that_is_not_reproduced_is_refused():
+def test_a_target_head_that_is_not_reproduced_is_refused(monkeypatch):
+    """A class whose logits are no scale and cap of its lm_head's output (here: cubed) is refused in one line."""
     from transformers import CohereConfig
 
-    from speculators_train.head import TargetHead
+    from speculators_train import head
 
-    with pytest.raises(UserError, match=r"target model_type 'cohere' scales its logits \(\{'logit_scale': 0\.0625\}\)"):
-        TargetHead.from_weights(CohereConfig(**SMALL), {})
+    monkeypatch.setattr(head, "_TRANSFORMS", {})  # not the measurement of an earlier test
+    monkeypatch.setattr(head, "_probe", lambda config, values: values.double() ** 3)
+    with pytest.raises(UserError, match=r"target model_type 'cohere' transforms its logits in a way the training"):
+        head.TargetHead.from_weights(CohereConfig(**SMALL), {})
+
+
+def test_a_head_training_cannot_reproduce_is_refused_when_the_recipe_loads(tmp_path, capsys, monkeypatch):
+    """Refused by `data`, before generate's work, not first by `train` (a Granite target once was)."""
+    from speculators_train import head
+    from tests.conftest import SHAREGPT, make_recipe
+    from tests.faults import clean_error
+
+    monkeypatch.setattr(head, "_TRANSFORMS", {})
+    monkeypatch.setattr(head, "_probe", lambda config, values: values.double() ** 3)
+    recipe = make_recipe(tmp_path, [{"name": "s", "path": SHAREGPT, "max_records": 8}])
+    clean_error(["data", recipe], capsys, "transforms its logits in a way the training head does not reproduce")

@@ -16,7 +16,7 @@ from speculators_train.chunks import chunk_rows, chunked
 from speculators_train.families.divergence import Divergence, divergence
 from speculators_train.families.draft_model.model import StandaloneDraft
 from speculators_train.families.objective import ChainAccuracy, Objective, Sums, global_counts, key, ratio
-from speculators_train.head import TargetHead, logit_softcap, softcapped
+from speculators_train.head import TargetHead, logit_transform
 
 
 def draft_model_loss(
@@ -30,14 +30,14 @@ def draft_model_loss(
     attention = None if lengths is None else (torch.arange(length, device=ids.device)[None] < lengths[:, None]).long()
     body = text_decoder(draft.lm)
     hidden = body(input_ids=ids[:, :-1], attention_mask=attention, use_cache=False).last_hidden_state  # [B, L, H]
-    out_head, cap = draft.lm.get_output_embeddings(), logit_softcap(draft.lm.config)
+    out_head, transform = draft.lm.get_output_embeddings(), logit_transform(draft.lm.config)
     trained = mask[:, 1:]
 
     def piece(h: torch.Tensor, y: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
             target_logits = head(y.to(head.lm_head.weight.dtype)).float()  # [B, c, V]
             p = torch.softmax(target_logits, dim=-1)
-        logits = softcapped(out_head(h), cap).float()
+        logits = transform(out_head(h)).float()
         per_position = divergence(p, torch.log_softmax(logits, dim=-1), kind)
         return (per_position * m).sum(), logits.argmax(-1) == target_logits.argmax(-1)
 
