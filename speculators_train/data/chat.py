@@ -193,6 +193,8 @@ class Chat:
         else:
             start = _after_prompt(whole, own_start, prompt)
         end = own_end + self.end_of_turn(whole[own_end:])
+        if end == own_end and (closing := self._closing(messages, i, whole[:own_end])):
+            whole, end = whole[:own_end] + closing, own_end + len(closing)
         header = whole[start:own_start]
         model_writes_header = header and self._written_before_every_reply(messages, i, whole[start:own_end])
         return Reply(prompt, whole[start:], (0 if model_writes_header else own_start - start), end - start)
@@ -213,6 +215,19 @@ class Chat:
             raise EmptyReply(f"assistant turn {i} renders no text of its own")
         return start, end
 
+    def _closing(self, messages: list[dict[str, str]], i: int, through: str) -> str:
+        """The special token that ends reply i where its render ends with nothing after it (GLM-4.5: the next
+        turn's `<|user|>` tag, which the model writes to stop): the first one the template writes after the reply
+        when a user turn follows; "" where there is none."""
+        try:
+            later = self.render([*messages[: i + 1], {"role": "user", "content": "…"}], False)
+        except Exception:  # a template may refuse the extra turn
+            return ""
+        if not later.startswith(through):
+            return ""
+        footer = later[len(through) :]
+        return footer[: self.end_of_turn(footer)] if self.end_of_turn(footer) else ""
+
     def _written_before_every_reply(self, messages: list[dict[str, str]], i: int, reply_text: str) -> bool:
         """Whether the template writes this header before the reply when the reply is not the last message too."""
         try:
@@ -220,6 +235,16 @@ class Chat:
         except Exception:  # a template may refuse the extra turn; the header is then not known to be the model's
             return False
         return reply_text in later
+
+    @cached_property
+    def assistant_header(self) -> str:
+        """What the generation prompt adds after a conversation: the header an engine ends its prompt with."""
+        probe = [{"role": "user", "content": "¤"}]
+        try:
+            prompt, plain = self.render(probe, True), self.render(probe, False)
+        except Exception:  # a template that cannot render the probe has no header known here
+            return ""
+        return prompt[len(plain) :] if prompt.startswith(plain) else ""
 
     @cached_property
     def reply_shapes(self) -> list[tuple[str, ...]]:

@@ -65,6 +65,29 @@ class _Tokens:
     vision: dict[str, torch.Tensor] | None = None  # the processor's tensors for every image in the sample
 
 
+class MaskLeak(ValueError):
+    """A reply's loss mask would hold template text: a line of the prompt's user or system text, or the assistant
+    header again (a template whose render the reply's span cannot be read from exactly)."""
+
+
+def _leak(chat: Chat, messages: list[dict], i: int, masked: str) -> str | None:
+    """What of the template's text `masked` (turn i's trained text) holds, or None: a line (4+ characters) of the
+    user and system turns since the last reply that the reply itself does not contain, or, at its start, the
+    header the engine's prompt already ends with."""
+    own = messages[i]["content"] + "\n" + (messages[i].get("reasoning") or "")
+    for message in reversed(messages[:i]):
+        if message["role"] == "assistant":
+            break
+        for line in message["content"].splitlines():
+            line = line.strip()
+            if len(line) >= 4 and line in masked and line not in own:
+                return f"{message['role']} text {line[:40]!r}"
+    header = chat.assistant_header.strip()
+    if header and masked.lstrip().startswith(header) and not own.lstrip().startswith(header):
+        return f"the assistant header {header!r} again"
+    return None
+
+
 class NoImageProcessor(BadImage):
     """Images for a multimodal target whose processor could not be loaded."""
 
@@ -123,6 +146,8 @@ def conversation_tokens(conv: Conversation, chat: Chat, max_length: int) -> tupl
         if not prompt_whole or len(prompt_ids) >= max_length:
             reason = "no_assistant_tokens_in_max_length"
             break
+        if leak := _leak(chat, messages, i, reply.reply[reply.mask_start : reply.mask_end]):
+            raise MaskLeak(f"turn {i}: the loss mask would train on {leak}")
         reply_ids, offsets, reply_whole = _tokens(tokenizer, reply.reply, need)
         reply_mask = [end > reply.mask_start and start < reply.mask_end for start, end in offsets]
         chained = current is not None and prompt_ids[: len(current.through)] == current.through
@@ -168,8 +193,9 @@ def render_many(
     for conv in convs:
         try:
             built, why = conversation_tokens(conv, chat, max_length)
-        except BadImage as exc:
+        except (BadImage, MaskLeak) as exc:
             reason = "no_image_processor" if isinstance(exc, NoImageProcessor) else "bad_image"
+            reason = "mask_holds_template_text" if isinstance(exc, MaskLeak) else reason
             report.skip(reason, f"{conv.origin} ({exc})")
             out.append([])
             continue

@@ -131,3 +131,76 @@ def test_generated_replies_read_back_as_the_messages_that_render_them(chats, nam
         message = chat.as_message(generated + "<|endoftext|>")  # what a model may write after its end-of-turn
         again = chat.reply([*messages[:-1], message], len(messages) - 1)
         assert again.reply[: again.mask_end] == generated, (name, message)
+
+
+# DeepSeek-R1's released template: history drops a reply's reasoning, and the generation prompt opens a think block
+R1 = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- if message.role == 'user' %}{{- '<｜User｜>' + message.content }}"
+    "{%- elif message.role == 'assistant' %}{%- set content = message.content %}"
+    "{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1] %}{%- endif %}"
+    "{{- '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<｜Assistant｜><think>\\n' }}{%- endif %}"
+)
+
+
+def test_a_mask_that_would_hold_template_text_is_refused_and_counted():
+    """On DeepSeek-R1's template the engine's prompt is no prefix of the render, and a user message holding a
+    newline once put its last line and the assistant tag into the reply's mask (exit 0, nothing counted): each
+    sample's masked text is now read back, and one holding prompt text is a counted skip."""
+    from speculators_train.data.render import _leak
+
+    tokenizer = template_tokenizer("deepseek", ("<think>", "</think>"))
+    tokenizer.chat_template = R1
+    chat = Chat(tokenizer)
+    reply = {"role": "assistant", "content": "The answer is 4."}
+    report = SkipReport()
+    multi = [{"role": "user", "content": "Line one\nsecond line here"}, reply]
+    assert render(Conversation("c", tuple(multi), "c:1"), chat, 4096, "truncate", report) == []
+    assert report.counts == {"mask_holds_template_text": 1}
+    assert "user text 'second line here'" in report.examples["mask_holds_template_text"][0]
+    single = [{"role": "user", "content": "What is 2 + 2?"}, reply]
+    (sample,) = render(Conversation("c", tuple(single), "c:2"), chat, 4096, "truncate", report)
+    trained = [t for t, on in zip(sample.input_ids.tolist(), sample.loss_mask.tolist(), strict=True) if on]
+    assert tokenizer.decode(trained) == "The answer is 4.<｜end▁of▁sentence｜>"
+    # a reply that quotes the user is no leak; the assistant header trained again is one
+    quoted = [{"role": "user", "content": "Say: hello world"}, {"role": "assistant", "content": "hello world"}]
+    assert _leak(Chat(template_tokenizer("deepseek")), quoted, 1, "hello world<｜end▁of▁sentence｜>") is None
+    assert "assistant header" in _leak(Chat(template_tokenizer("deepseek")), single, 1, "<｜Assistant｜>The answer")
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_no_shipped_template_style_trips_the_mask_check(chats, name):
+    """Every template style of the matrix, with a user message of several lines: nothing is refused."""
+    messages = [SYSTEM, {"role": "user", "content": "First line\nsecond line\nthird"}, TWO_TURNS[2]]
+    report = SkipReport()
+    assert render(Conversation("c", tuple(messages), "c:1"), chats[name], 4096, "truncate", report)
+    assert report.total == 0, report.examples
+
+
+# GLM-4.5's style: nothing after a reply in its render; the next turn's tag, which the model writes to stop, ends it
+GLM45 = (
+    "[gMASK]<sop>{%- for message in messages %}"
+    "{%- if message.role == 'user' %}{{- '<|user|>\\n' + message.content }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|assistant|>\\n' + message.content }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
+)
+
+
+def test_a_reply_whose_render_ends_with_nothing_is_trained_through_the_tag_that_ends_it():
+    """GLM-4.5's reply-ending token (the next turn's `<|user|>`) was never trained, so a draft never learnt where a
+    reply stops: it is now trained after the last reply as after every other."""
+    from transformers import AutoTokenizer
+
+    from tests.targets import base_tokenizer_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(base_tokenizer_dir())
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[gMASK]", "<sop>", "<|user|>", "<|assistant|>"]})
+    tokenizer.chat_template = GLM45
+    chat = Chat(tokenizer)
+    report = SkipReport()
+    turns = [m for m in TWO_TURNS if m["role"] != "system"]
+    samples = render(Conversation("c", tuple(turns), "c:1"), chat, 4096, "truncate", report)
+    assert report.total == 0
+    trained = [tokenizer.decode(s.input_ids[a:b]) for s in samples for a, b in masked_runs(s)]
+    assert trained == [f"{m['content']}<|user|>" for m in turns if m["role"] == "assistant"]
