@@ -36,17 +36,20 @@ def _recipe(args: argparse.Namespace, target: bool = True) -> Recipe:
         overrides["export.format"] = args.format
     recipe = load_recipe(args.recipe, overrides)
     if target:
+        from speculators_train.head import logit_transform
         from speculators_train.target import load_target_config
 
-        if problems := recipe.draft.target_problems(load_target_config(recipe.target)):
+        config = load_target_config(recipe.target)
+        if problems := recipe.draft.target_problems(config):
             raise UserError(f"{recipe.source_path}: " + "; ".join(problems))
+        logit_transform(config)  # a head training cannot reproduce is refused here, not after generate
     return recipe
 
 
 def cmd_data(args: argparse.Namespace) -> int:
     """Read the recipe's data mix, render it with the target's chat template (its tokenizer, and a multimodal
     target's processor; no weights) and report record, sample and token counts and every skip."""
-    from speculators_train.data.splits import load_splits, rendered_counts
+    from speculators_train.data.splits import load_splits, no_held_out, rendered_counts
     from speculators_train.target import load_processor, load_tokenizer
 
     recipe = _recipe(args)
@@ -61,6 +64,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     print(to_json(counts))
     for line in splits.report.lines():
         console.print(line, highlight=False)
+    if why := no_held_out(recipe, splits):
+        console.print(f"warning: {why}", highlight=False)
     for split, numbers in rendered.items():
         if numbers["records"] and not numbers["samples"]:
             raise UserError(splits.report.nothing_left(str(recipe.source_path), split, numbers["records"]))

@@ -144,6 +144,25 @@ DEFAULT_RECIPE = "recipes/eagle3.yaml"
 MOVED_KEYS = {"eval.cpu_packed_weights": "target.cpu_packed_weights"}
 
 
+# Model folders (or files) a recipe names by a relative path, like the files it names (`Section.resolve_path`)
+FOLDER_KEYS = (("target", "name_or_path"), ("draft", "start"), ("data", "regenerate", "model"))
+
+
+def _folders_beside(path: Path, raw: dict[str, Any]) -> None:
+    """A relative model path that is not there from the working directory is read from the recipe's folder, then
+    its parent, where it is there: a recipe keeps working when run from elsewhere (a hub id stays one)."""
+    for *sections, key in FOLDER_KEYS:
+        holder: Any = raw
+        for name in sections:
+            holder = holder.get(name) if isinstance(holder, dict) else None
+        value = holder.get(key) if isinstance(holder, dict) else None
+        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute() or Path(value).exists():
+            continue
+        found = next((base / value for base in (path.parent, path.parent.parent) if (base / value).exists()), None)
+        if found is not None:
+            holder[key] = str(found)
+
+
 def _old_draft_layout(path: Path, raw: dict[str, Any]) -> str | None:
     """The one-line fix for a recipe in the layout before `draft:` (training.algorithm plus a section named after
     the family), showing the new spelling with the recipe's own values."""
@@ -164,6 +183,7 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
     path = Path(path)
     raw = read_yaml_mapping(path, "recipe")
     apply_overrides(raw, overrides or {})
+    _folders_beside(path, raw)
     old = _old_draft_layout(path, raw)
     if old:
         raise UserError(old)

@@ -22,6 +22,17 @@ def load_splits(recipe: Recipe) -> Splits:
     return load_mix(mix_path, recipe.data.held_out_fraction)
 
 
+def no_held_out(recipe: Recipe, splits: Splits) -> str | None:
+    """Why training would refuse these splits (an empty held-out split, which it validates on and keeps the best
+    checkpoint by), said at `data` and refused at `generate` rather than first at `train`; None when it would not."""
+    if splits.held_out:
+        return None
+    return (
+        f"{recipe.source_path}: data.held_out_fraction {recipe.data.held_out_fraction:g} holds out none of the "
+        f"{len(splits.train)} records, and training validates on that split; raise it or add records"
+    )
+
+
 def rendered_counts(
     data: DataConfig, splits: Splits, tokenizer, processor=None, no_images: str = ""
 ) -> dict[str, dict[str, int]]:

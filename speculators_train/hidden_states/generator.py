@@ -22,7 +22,7 @@ from speculators_train.data.config import ImagesConfig, RegenerateConfig
 from speculators_train.data.conversations import SkipReport
 from speculators_train.data.mix import Splits
 from speculators_train.data.regenerate import replying_engine
-from speculators_train.data.splits import SPLITS, chunk_seed, chunks, data_fingerprint, load_splits
+from speculators_train.data.splits import SPLITS, chunk_seed, chunks, data_fingerprint, load_splits, no_held_out
 from speculators_train.distributed import process_state
 from speculators_train.errors import UserError
 from speculators_train.families.base import STATE_LEVELS
@@ -121,6 +121,8 @@ def generate(recipe: Recipe) -> dict[str, Any]:
     rank, world = state.process_index, state.num_processes
     out_dir = recipe.hidden_states_dir
     splits = load_splits(recipe)
+    if why := no_held_out(recipe, splits):
+        raise UserError(why)
     # With vLLM capturing, this process needs the target's config and tokenizer, not its weights.
     target = load_target(recipe.target, weights=recipe.generation.engine != "vllm")
     identity = generation_identity(recipe, target, splits, world)

@@ -123,3 +123,35 @@ def test_a_link_out_of_the_logs_directory_is_not_ingested(tmp_path, capsys):
     assert "ingested 1 new records" in text and "b.jsonl: a link to a file outside" in text, text
     stored = "".join(p.read_text() for p in (tmp_path / "run" / "osd").rglob("*") if p.is_file())
     assert "private text" not in stored and "Sort a list?" in stored
+
+
+def test_an_empty_held_out_split_is_refused_at_data_not_first_at_train(tmp_path, capsys):
+    """Two records at a 1% held-out fraction hold none out: `data` warns in one line naming the setting and
+    `generate` refuses before any work, where before only `train` (after generate's work) refused the split."""
+    recipe = make_recipe(
+        tmp_path, [{"name": "s", "path": SHAREGPT, "max_records": 2}], data={"held_out_fraction": 0.01}
+    )
+    code, err = run_cli(["data", recipe], capsys)
+    assert code == 0 and "warning:" in err and "data.held_out_fraction 0.01 holds out none of the 2 records" in err
+    clean_error(["generate", recipe], capsys, "data.held_out_fraction 0.01 holds out none of the 2 records")
+    assert not (tmp_path / "run" / "hidden_states" / "manifest.json").exists()
+
+
+def test_a_relative_model_folder_is_read_beside_the_recipe_when_run_from_elsewhere(tmp_path, monkeypatch):
+    """`target.name_or_path: models/tiny` in project/recipes/r.yaml: from project/ it is there already; from any
+    other directory it is read beside the recipe (its folder, then its parent), as the recipe's files are."""
+    from speculators_train.recipe import load_recipe
+    from tests.targets import tiny_target
+
+    project = tmp_path / "project"
+    (project / "models").mkdir(parents=True)
+    (project / "models" / "tiny").symlink_to(tiny_target())
+    sources = [{"name": "s", "path": SHAREGPT, "max_records": 8}]
+    recipe = make_recipe(project / "recipes", sources, target={"name_or_path": "models/tiny"})
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert load_recipe(recipe).target.name_or_path == str(project / "models" / "tiny")
+    monkeypatch.chdir(project)
+    assert load_recipe(recipe).target.name_or_path == "models/tiny"  # the working directory's, as before
+    hub = make_recipe(tmp_path / "hub", sources, target={"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"})
+    assert load_recipe(hub).target.name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"

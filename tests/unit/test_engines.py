@@ -303,3 +303,14 @@ def test_f32_conversions_of_two_folders_of_one_name_are_kept_apart(tmp_path, mon
     assert verify.f32_gguf(a) == first and len(made) == 2  # converted once
     (a / "model.safetensors").write_bytes(b"rewritten")
     assert verify.f32_gguf(a) != first and len(made) == 3
+
+
+def test_vllm_runs_a_target_with_recurrent_layers_in_bfloat16():
+    """vLLM's CPU gated delta-net (Qwen3-Next's linear attention) runs in bfloat16 only: float32 stopped its engine
+    at start. Other targets stay in float32, as the loop runs them."""
+    from transformers import AutoConfig
+
+    from speculators_train.engines.vllm.verify import engine_dtype
+
+    assert engine_dtype(AutoConfig.for_model("llama")) == "float32"
+    assert engine_dtype(AutoConfig.for_model("qwen3_next")) == "bfloat16"

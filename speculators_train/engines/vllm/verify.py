@@ -21,6 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from speculators_train.architectures import recurrent_layers
 from speculators_train.engines.vllm import offline
 from speculators_train.engines.vllm.engine import ENGINE
 from speculators_train.errors import UserError
@@ -179,12 +180,18 @@ def decode_all(engine: offline.Engine, recipe: Recipe, suites: list[Suite], bar:
     return out
 
 
+def engine_dtype(target_config: Any) -> str:
+    """float32, as the loop runs the target on CPU, except for a target with recurrent (linear-attention) layers:
+    vLLM's gated delta-net kernels there run in bfloat16 only, and float32 stops its engine at start."""
+    return "bfloat16" if recurrent_layers(target_config) else "float32"
+
+
 def engine_for(recipe: Recipe, speculative_config: dict[str, Any] | None) -> offline.Engine:
     cfg = recipe.eval.vllm
     return offline.Engine(
         target_dir(recipe),
         speculative_config,
-        dtype="float32",
+        dtype=engine_dtype(load_target_config(recipe.target)),
         max_model_len=cfg.max_model_len,
         kv_cache_gib=cfg.kv_cache_gib,
         intel_openmp=cfg.intel_openmp,
