@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speculators_train.data.chat import Chat, EmptyReply
+from speculators_train.data.chat import HEADER_WINDOW, Chat, EmptyReply
 from speculators_train.data.config import ImagesConfig
 from speculators_train.data.conversations import Conversation, SkipReport, has_images
 from speculators_train.data.images import BadImage, shown
@@ -75,12 +75,13 @@ def _leak(chat: Chat, messages: list[dict], i: int, masked: str) -> str | None:
     user and system turns since the last reply that the reply itself does not contain, or, at its start, the
     header the engine's prompt already ends with."""
     own = messages[i]["content"] + "\n" + (messages[i].get("reasoning") or "")
+    head = masked[:HEADER_WINDOW]  # template text sits before the reply's own: the check costs linear time
     for message in reversed(messages[:i]):
         if message["role"] == "assistant":
             break
         for line in message["content"].splitlines():
             line = line.strip()
-            if len(line) >= 4 and line in masked and line not in own:
+            if len(line) >= 4 and line in head and line not in own:
                 return f"{message['role']} text {line[:40]!r}"
     header = chat.assistant_header.strip()
     if header and masked.lstrip().startswith(header) and not own.lstrip().startswith(header):
