@@ -57,16 +57,36 @@ _TRANSFORMS: dict[str, LogitTransform] = {}
 
 
 def _probe(config, values: torch.Tensor) -> torch.Tensor:
-    """The target class's logits for lm_head outputs `values` [T] (its forward on the meta-built model, with a
-    decoder that returns `values` as its last state and an identity lm_head)."""
-    from transformers.modeling_outputs import MoeModelOutputWithPast
+    """The target class's logits for lm_head outputs `values` [T] (its forward on the meta-built model, with an
+    identity lm_head and, in place of the module its forward calls for states, one that returns `values` as the last
+    state): the base model where the class has one (a multimodal wrapper's whole inner model), else its text decoder
+    (Llama-4 calls a causal LM, whose own forward applies its head)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    class Output(BaseModelOutputWithPast):
+        def __getattr__(self, name: str):  # a wrapper also reads its inner model's extras (rope_deltas, images' states)
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return None
+
+    class Embed(nn.Module):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(*ids.shape, 1)
 
     class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = Embed()  # a wrapper may embed the ids itself (Llama-4)
+
         def forward(self, *args, **kwargs):
-            return MoeModelOutputWithPast(last_hidden_state=values.reshape(1, -1, 1))
+            return Output(last_hidden_state=values.reshape(1, -1, 1))
 
     model = meta_model(config)
-    setattr(model, model.base_model_prefix, Decoder())
+    target = getattr(model, model.base_model_prefix, None) if model.base_model_prefix else None
+    if not isinstance(target, nn.Module):
+        target = text_decoder(model)
+    parent, _, name = next(n for n, m in model.named_modules() if m is target).rpartition(".")
+    setattr(model.get_submodule(parent), name, Decoder())
     model.set_output_embeddings(nn.Identity())
     with torch.no_grad():
         out = model(input_ids=torch.zeros(1, values.numel(), dtype=torch.long), use_cache=False)
@@ -89,10 +109,11 @@ def _measured(config) -> LogitTransform:
                 factor, divide = float(value), True
     if math.isclose(scale, 1.0, rel_tol=1e-3):
         factor, divide = 1.0, False
+    # a config's cap the class does not apply (Gemma 3's multimodal wrapper) is no cap
     candidates = [LogitTransform(factor, divide, cap, first) for first in (False, True)] if cap else []
     large = torch.tensor([-90.0, -7.5, 0.5, 12.0, 75.0], dtype=torch.float32)
     seen = _probe(config, large)
-    for candidate in candidates or [LogitTransform(factor, divide)]:
+    for candidate in [*candidates, LogitTransform(factor, divide)]:
         if torch.allclose(candidate(large.double()), seen, rtol=1e-4, atol=1e-4):
             return candidate
     raise UserError(

@@ -158,6 +158,24 @@ def test_training_head_gives_the_targets_own_logits(tmp_path, model_type, extra)
         assert not torch.allclose(TargetHead(llama, weights["lm_head"])(final), ref, atol=1e-2)
 
 
+def test_every_matrix_target_has_its_logit_transform_measured(monkeypatch):
+    """The probe runs each class's own forward, multimodal wrappers included (Gemma 3 and Qwen2.5-VL read extras
+    off their inner model's output, Llama-4 embeds the ids itself and calls a causal LM): each gives its transform.
+    What counts is what the class computes, not what its config holds: Gemma 3's text model caps at its text
+    config's `final_logit_softcapping`, its multimodal wrapper does not."""
+    from speculators_train import head
+    from tests.targets import MATRIX, config_of
+
+    monkeypatch.setattr(head, "_TRANSFORMS", {})
+    expected = {"gemma2": head.LogitTransform(cap=30.0), "granitemoe": head.LogitTransform(8.0, divide=True)}
+    for arch in MATRIX:
+        assert head.logit_transform(config_of(arch)) == expected.get(arch.name, head.LogitTransform()), arch.name
+    for name, transform in (("gemma3-text", head.LogitTransform(cap=5.0)), ("gemma3", head.LogitTransform())):
+        config = config_of(next(arch for arch in MATRIX if arch.name == name))
+        config.get_text_config().final_logit_softcapping = 5.0
+        assert head.logit_transform(config) == transform, name
+
+
 def test_a_target_head_that_is_not_reproduced_is_refused(monkeypatch):
     """A class whose logits are no scale and cap of its lm_head's output (here: cubed) is refused in one line."""
     from transformers import CohereConfig
