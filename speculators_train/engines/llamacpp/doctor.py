@@ -69,7 +69,7 @@ def check_gguf(recipe: Recipe, loaded: LoadedDraft, export: Path, dtype: str) ->
     if problems := fmt.unsupported(loaded.draft):
         return Check(NAME, "fail", f"the trained draft cannot run in llama.cpp: {'; '.join(problems)}")
     with tempfile.TemporaryDirectory(prefix="doctor-gguf-") as tmp:
-        fresh = write_export(recipe, loaded.path, fmt.name, Path(tmp) / "fresh", dtype, force_k=True)
+        fresh = write_export(recipe, loaded.path, fmt.name, Path(tmp) / export.name, dtype, force_k=True)
         lines = gguf_diffs(fresh.path / fmt.draft_file, served)
     if lines:
         fix = f"export again from {loaded.path} (`speculators-train export --format {fmt.name} --force`)"
