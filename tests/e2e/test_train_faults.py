@@ -239,3 +239,17 @@ def test_wandb_online_without_a_key_is_one_line(tmp_path, states, capsys, monkey
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     recipe = run_dir(tmp_path, states, wandb={"mode": "online"})
     clean_error(["train", recipe], capsys, "training.wandb.mode 'online'", "set training.wandb.mode: offline")
+
+
+def test_a_recipe_typo_under_accelerate_launch_ends_on_one_error_line(tmp_path):
+    """Through accelerate's own launcher (`--quiet`, as the docs write it): the child's `error:` line, accelerate's
+    exit status, no traceback from either process."""
+    import sys
+
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text("name: t\ntrainig: {}\n")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--quiet", "--cpu", "--num_processes", "1"]
+    proc = subprocess.run([*launch, "-m", "speculators_train", "train", str(recipe)], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert f"{recipe}: trainig: unknown key" in proc.stderr

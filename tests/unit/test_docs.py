@@ -45,3 +45,13 @@ def test_the_docs_give_the_number_of_places_a_family_touches_as_families_md_list
         said = re.search(r"a family (?:then )?touches (\w+) places", " ".join(doc.read_text().split()))
         assert said is not None, f"{doc.name} does not say how many places a family touches"
         assert NUMBERS.get(said[1]) == len(places), (doc.name, said[1], len(places))
+
+
+def test_every_accelerate_launch_the_docs_and_recipes_show_is_quiet():
+    """Without `--quiet`, accelerate's launcher follows a clean `error:` line with its own traceback of the child's
+    exit status (tests/e2e/test_train_faults.py runs the quiet launch)."""
+    shown = [REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "recipes").glob("*.yaml")]
+    shown += [*(REPO / "launch").glob("*.yaml")]
+    commands = [(p.name, line) for p in shown for line in p.read_text().splitlines() if "accelerate launch -" in line]
+    assert len(commands) >= 10
+    assert [c for c in commands if "accelerate launch --quiet " not in c[1]] == []
