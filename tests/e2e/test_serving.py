@@ -109,6 +109,51 @@ def test_a_multimodal_class_vllm_cannot_load_here_is_said_to_fail_here_only(vllm
         assert answer.here and "cannot load" in answer.here[0]
 
 
+# vLLM's own MLP classes, built as its draft layers build them (one tensor-parallel rank, gloo): which activations
+# each takes. In a child: importing vLLM changes process-wide settings.
+_MLP_PROBE = r"""
+import json, socket, sys
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.models.llama import LlamaMLP
+from vllm.model_executor.models.qwen2 import Qwen2MLP
+
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+out = {}
+with set_current_vllm_config(VllmConfig()):
+    init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
+    initialize_model_parallel(1, 1)
+    for cls in (LlamaMLP, Qwen2MLP):
+        for act in sys.argv[1:]:
+            try:
+                cls(hidden_size=8, intermediate_size=16, hidden_act=act)
+                out[f"{cls.__name__}:{act}"] = True
+            except ValueError:
+                out[f"{cls.__name__}:{act}"] = False
+print(json.dumps(out))
+"""
+
+
+def test_vllm_serves_a_draft_of_its_own_layers_only_in_the_activations_its_mlps_build():
+    """EAGLE-3, P-EAGLE and DFlash drafts take the target's activation; vLLM builds their layers from its `LlamaMLP`
+    and `Qwen2MLP`, which refuse any activation but SiLU: a Gemma target's draft (gelu_pytorch_tanh) gets no vLLM
+    line. The rule is `VLLM_DRAFT_ACTIVATIONS`; vLLM's classes are asked here, so a vLLM that widens it fails this."""
+    import json
+    import subprocess
+    import sys
+
+    acts = ["silu", "gelu_pytorch_tanh", "gelu", "relu2"]
+    proc = subprocess.run([sys.executable, "-c", _MLP_PROBE, *acts], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    for act in acts:
+        assert built[f"LlamaMLP:{act}"] == built[f"Qwen2MLP:{act}"] == (act in vllm.VLLM_DRAFT_ACTIVATIONS), act
+    gemma3 = config("gemma3_text", "Gemma3ForCausalLM")
+    answer = vllm.vllm_serving(gemma3, reads_target_states=True, own_attention=True)
+    assert answer.problems[-1].endswith("the draft has the target's activation, gelu_pytorch_tanh")
+    assert not vllm.vllm_serving(gemma3, reads_target_states=False, own_attention=False).problems  # a draft model
+
+
 def test_export_prints_only_the_serve_lines_that_run():
     """A line whose engine cannot serve the draft is left out with a note naming the reason; one that needs
     another machine is printed with a note; another engine's line (SGLang) is kept as written."""

@@ -11,11 +11,15 @@ import sys
 from typing import Any
 
 from speculators_train import children
-from speculators_train.architectures import uses_mla
+from speculators_train.architectures import activation, uses_mla
 from speculators_train.engines.serving import FACTS_LAYOUT, Serving, package_version
 from speculators_train.files import atomic_write_json
 from speculators_train.loading import read_json
 from speculators_train.origin import cache_root
+
+# The activations vLLM's `LlamaMLP` and `Qwen2MLP` build (the MLPs of the layers of its drafts with attention of their
+# own): any other raises "Unsupported activation" as vLLM loads the draft (tests/e2e/test_serving.py asks them).
+VLLM_DRAFT_ACTIVATIONS = ("silu",)
 
 # Run in a child process: importing vLLM takes seconds and changes process-wide settings. argv: architectures.
 _VLLM_PROBE = r"""
@@ -119,6 +123,11 @@ def vllm_serving(
         )
     if facts["cpu"] and needs_gpu:
         out.here.append("vLLM runs this draft's method in its V2 model runner only, which needs Triton: a GPU build")
+    if own_attention and (act := activation(target_config)) not in VLLM_DRAFT_ACTIVATIONS:
+        out.problems.append(
+            f"vLLM builds this draft's layers with its Llama and Qwen2 MLPs, which run "
+            f"{', '.join(VLLM_DRAFT_ACTIVATIONS)} only; the draft has the target's activation, {act}"
+        )
     if facts["cpu"] and own_attention and uses_mla(target_config):
         out.here.append(
             "vLLM's CPU build cannot pair an MLA target with a draft's own attention layers (no common KV-cache "
