@@ -16,6 +16,7 @@ from speculators_train.errors import UserError
 ACTIVATION_KEYS = ("hidden_act", "hidden_activation", "activation_function")
 # Layer kinds whose state a cache cannot roll back by cropping (a recurrent or linear-attention state).
 RECURRENT_LAYERS = frozenset({"linear_attention", "mamba", "conv", "recurrent", "rwkv"})
+PAD_EXACT_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", *RECURRENT_LAYERS})
 
 
 def text_config(config: Any) -> Any:
@@ -114,6 +115,14 @@ def recurrent_layers(config: Any) -> list[str]:
     """The kinds of the target's layers that keep a recurrent state (hybrid linear attention: Qwen3-Next,
     Qwen3.5), which a speculative decoder must snapshot to reject drafts."""
     return sorted({kind for kind in layer_types(config) if kind in RECURRENT_LAYERS})
+
+
+def pads_exactly(config: Any) -> bool:
+    """Whether a right-padded batch gives each row the states the target computes on it alone: true for causal
+    attention (full, windowed, chunked) and a recurrence run left to right, whose rows never see the padding after
+    them. A layer that selects its keys (DeepSeek-V3.2's indexer: the top-k of scores, many tied) picks among a
+    row's columns, so the padded width changes which tied keys it keeps; such a target runs unpadded."""
+    return all(kind in PAD_EXACT_LAYERS for kind in layer_types(config))
 
 
 def uses_mla(config: Any) -> bool:

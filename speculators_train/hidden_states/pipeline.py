@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from speculators_train.architectures import pads_exactly
 from speculators_train.data.chat import Chat
 from speculators_train.data.conversations import Conversation, SkipReport, has_images
 from speculators_train.data.regenerate import (
@@ -39,13 +40,14 @@ def recipe_states(draft: FamilySettings, target: Target) -> StateSpec:
     return StateSpec(tuple(target.aux_layer_ids) if level == "aux+final" else (), final=level != "none")
 
 
-def _batches(samples: list[Sample], max_tokens: int) -> Iterator[list[int]]:
-    """Indices grouped longest-first so each padded batch stays under `max_tokens` with little padding."""
+def _batches(samples: list[Sample], max_tokens: int, pad: bool = True) -> Iterator[list[int]]:
+    """Indices grouped longest-first so each padded batch stays under `max_tokens` with little padding; without
+    `pad`, only samples of one length share a batch."""
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
     batch: list[int] = []
     for i in order:
         longest = len(samples[batch[0]].input_ids) if batch else len(samples[i].input_ids)
-        if batch and longest * (len(batch) + 1) > max_tokens:
+        if batch and (longest * (len(batch) + 1) > max_tokens or (not pad and len(samples[i].input_ids) < longest)):
             yield batch
             batch = []
         batch.append(i)
@@ -54,10 +56,11 @@ def _batches(samples: list[Sample], max_tokens: int) -> Iterator[list[int]]:
 
 
 def padded_batches(
-    samples: list[Sample], max_tokens: int, device: torch.device
+    samples: list[Sample], max_tokens: int, device: torch.device, pad: bool = True
 ) -> Iterator[tuple[list[int], list[int], torch.Tensor, torch.Tensor | None]]:
-    """(sample indices, lengths, right-padded ids, attention mask or None when nothing is padded) per batch."""
-    for batch in _batches(samples, max_tokens):
+    """(sample indices, lengths, right-padded ids, attention mask or None when nothing is padded) per batch; without
+    `pad`, batches of one length (no mask)."""
+    for batch in _batches(samples, max_tokens, pad):
         lengths = [len(samples[i].input_ids) for i in batch]
         ids = torch.zeros(len(batch), max(lengths), dtype=torch.int64)
         mask = torch.zeros_like(ids)
@@ -78,7 +81,9 @@ def capture(
     text = [i for i, s in enumerate(samples) if s.vision is None]
     batches = (
         ([text[j] for j in batch], lengths, ids, attention, None)
-        for batch, lengths, ids, attention in padded_batches([samples[i] for i in text], max_tokens, target.device)
+        for batch, lengths, ids, attention in padded_batches(
+            [samples[i] for i in text], max_tokens, target.device, pads_exactly(target.config)
+        )
     )
     images = (([i], [len(s.input_ids)], s.input_ids[None], None, s.vision) for i, s in enumerate(samples) if s.vision)
     for batch, lengths, ids, attention, vision in itertools.chain(batches, images):

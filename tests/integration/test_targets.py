@@ -439,3 +439,31 @@ def test_records_with_images_reach_the_target_through_its_processor(built, tmp_p
         torch.testing.assert_close(sample["aux_hidden_states"], expected, rtol=1e-5, atol=1e-5)
         after = int(is_image.nonzero()[-1]) + 1  # past the image, the states depend on its pixels
         assert not torch.allclose(sample["hidden_state"][after:], plain.hidden_states[-1][0, after:], atol=1e-3)
+
+
+def test_a_target_that_selects_its_keys_stores_each_samples_states_as_it_computes_them_alone(tmp_path):
+    """DeepSeek-V3.2's indexer keeps the top `index_topk` keys by score, many of them tied: in a padded batch the
+    row's width changes which tied keys it keeps, so states past `index_topk` drifted from the target's own (0.2 on
+    a 2-layer one). `generate` runs such a target in batches of one length; a Llama-shaped target still pads."""
+    from speculators_train.architectures import pads_exactly
+    from speculators_train.data.render import Sample
+    from speculators_train.hidden_states.pipeline import capture, padded_batches
+    from speculators_train.recipe import TargetConfig
+    from speculators_train.target import load_target
+    from tests.targets import ROUTED_MOE, Arch, config_of
+
+    index = {"index_topk": 4, "index_n_heads": 2, "index_head_dim": 16}
+    mla = {"kv_lora_rank": 32, "q_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 32}
+    arch = Arch("deepseek-v3.2", "deepseek_v32", "deepseek", {**ROUTED_MOE, **mla, **index, "num_key_value_heads": 4})
+    target = load_target(TargetConfig(name_or_path=str(build(arch, tmp_path / "v32")), aux_layer_ids=AUX))
+    assert not pads_exactly(target.config) and pads_exactly(config_of(BY_NAME["llama3"]))
+    torch.manual_seed(0)
+    samples = [Sample(f"s{n}", torch.randint(0, 2000, (n,)), torch.ones(n, dtype=torch.bool)) for n in (30, 19, 19, 12)]
+    batches = [b for b, *_ in padded_batches(samples, 4096, torch.device("cpu"), pad=False)]
+    assert sorted(map(sorted, batches)) == [[0], [1, 2], [3]]  # one length a batch
+    del samples[2]  # a batch of two rows rounds otherwise than one: each stored row is compared alone, bit for bit
+    stored = capture(target, samples, 4096, torch.float32)
+    for sample, states in zip(samples, stored, strict=True):
+        aux, final = target.hidden_states(sample.input_ids[None], None)
+        assert torch.equal(states["hidden_state"], final[0]), sample.id
+        assert torch.equal(states["aux_hidden_states"], aux[0]), sample.id
