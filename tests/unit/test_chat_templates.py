@@ -204,3 +204,57 @@ def test_a_reply_whose_render_ends_with_nothing_is_trained_through_the_tag_that_
     assert report.total == 0
     trained = [tokenizer.decode(s.input_ids[a:b]) for s in samples for a, b in masked_runs(s)]
     assert trained == [f"{m['content']}<|user|>" for m in turns if m["role"] == "assistant"]
+
+
+# EXAONE-4.0's style: `[|role|]\n` tags, reasoning kept only after the last user turn, and a generation prompt that
+# opens a think block when thinking is on (its default)
+EXAONE4 = (
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}{{- '[|system|]\\n' + m.content + '[|endofturn|]\\n' }}"
+    "{%- elif m.role == 'user' %}{{- '[|user|]\\n' + m.content + '[|endofturn|]\\n' }}"
+    "{%- elif m.role == 'assistant' %}{{- '[|assistant|]\\n' }}"
+    "{%- set content = m.content %}{%- set reasoning = m.reasoning_content if m.reasoning_content is string else '' %}"
+    "{%- if '</think>' in content %}{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip() %}"
+    "{%- set content = content.split('</think>')[-1].strip() %}{%- endif %}"
+    "{%- if reasoning and loop.index0 > ns.last_query %}"
+    "{{- '<think>\\n' + reasoning + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- content + '[|endofturn|]\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '[|assistant|]\\n' }}"
+    "{%- if enable_thinking is not defined or enable_thinking %}{{- '<think>\\n' }}"
+    "{%- else %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def test_exaone4_style_trains_each_reply_and_its_reasoning_and_no_tag_or_user_text():
+    """The engine's prompt opens a think block the history render does not have: a reasoned reply is trained after
+    that prompt (reasoning, `</think>`, reply, `[|endofturn|]`), a plain one after the tag as history renders it;
+    never the assistant tag twice nor the user's turn, and nothing is refused."""
+    from transformers import AutoTokenizer
+
+    from tests.targets import base_tokenizer_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(base_tokenizer_dir())
+    tags = ["[|system|]", "[|user|]", "[|assistant|]", "[|endofturn|]", "<think>", "</think>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": tags})
+    tokenizer.chat_template = EXAONE4
+    chat = Chat(tokenizer)
+    user = {"role": "user", "content": "Hi\nthere"}
+    cases = {
+        "plain": ([user, {"role": "assistant", "content": "Hello!"}], ["Hello![|endofturn|]"]),
+        "reasoned": (
+            [user, {"role": "assistant", "content": "Hello!", "reasoning": "Greet back."}],
+            ["Greet back.\n</think>\n\nHello![|endofturn|]"],
+        ),
+        "two turns": (
+            [user, {"role": "assistant", "content": "Hello!", "reasoning": "Greet."}, TWO_TURNS[3], TWO_TURNS[4]],
+            ["Greet.\n</think>\n\nHello![|endofturn|]", "Why did the chicken cross the road?[|endofturn|]"],
+        ),
+    }
+    for name, (messages, expected) in cases.items():
+        report = SkipReport()
+        samples = render(Conversation("c", tuple(messages), "c:1"), chat, 4096, "truncate", report)
+        trained = [tokenizer.decode(s.input_ids[a:b]) for s in samples for a, b in masked_runs(s)]
+        assert trained == expected, name
+        assert report.total == 0, (name, report.examples)
