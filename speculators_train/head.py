@@ -231,7 +231,13 @@ def _checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
     converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
     wanted = dict(model.state_dict(keep_vars=True))
     prefix = getattr(model, "base_model_prefix", None)
-    return {key: rename_source_key(key, renamings, converters, prefix, wanted)[0] for key in keys}
+    out = {}
+    for key in keys:
+        name = rename_source_key(key, renamings, converters, prefix, wanted)[0]
+        if name not in wanted and key in wanted:  # already the model's name (a checkpoint transformers saved), as
+            name = rename_source_key(key, [], [], prefix, wanted)[0]  # its loader reads it: DeepSeek-V4's `.norm.`
+        out[key] = name
+    return out
 
 
 def target_folder(cfg: TargetConfig) -> Path:

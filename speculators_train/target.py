@@ -183,7 +183,11 @@ class Target:
 
         def keep(key: int | str):
             def hook(_module, _args, output):
-                store[key] = output[0] if isinstance(output, tuple) else output
+                state = output[0] if isinstance(output, tuple) else output
+                if state.dim() != 3:  # several residual streams (DeepSeek-V4's hyper-connections): a draft reads one
+                    shape = f"{tuple(state.shape)}, not [batch, tokens, hidden]; no draft here reads them"
+                    raise UserError(f"target {self.name_or_path!r}: its decoder layers output states of shape {shape}")
+                store[key] = state
 
             return hook
 

@@ -467,3 +467,26 @@ def test_a_target_that_selects_its_keys_stores_each_samples_states_as_it_compute
         aux, final = target.hidden_states(sample.input_ids[None], None)
         assert torch.equal(states["hidden_state"], final[0]), sample.id
         assert torch.equal(states["aux_hidden_states"], aux[0]), sample.id
+
+
+def test_deepseek_v4_head_weights_are_found_and_its_several_streams_refused_in_one_line(tmp_path, capsys):
+    """A checkpoint transformers saved holds the model's own names, which DeepSeek-V4's renamings (written for its
+    original checkpoint: `.norm.` is an attention norm there) would turn into names the model lacks: read as
+    transformers' loader reads them, the final norm is found. Its decoder layers carry `hc_mult` residual streams,
+    which no draft reads: `generate` refuses it in one line before writing anything."""
+    from speculators_train.head import load_head_weights
+    from speculators_train.recipe import TargetConfig
+    from tests.targets import Arch
+
+    v4 = {"num_key_value_heads": 1, "head_dim": 64, "q_lora_rank": 32, "o_lora_rank": 32, "o_groups": 2}
+    v4 |= {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 64}
+    v4 |= {"index_n_heads": 2, "index_head_dim": 16, "index_topk": 8, "sliding_window": 16, "qk_rope_head_dim": 16}
+    v4 |= {"num_nextn_predict_layers": 0, "hc_mult": 2}
+    target = build(Arch("deepseek-v4", "deepseek_v4", "deepseek", v4), tmp_path / "v4")
+    _, weights = load_head_weights(TargetConfig(name_or_path=str(target)))
+    assert {"embed", "lm_head", "norm.weight"} <= set(weights)
+    recipe = matrix_recipe(tmp_path, target, "eagle3")
+    assert cli(["data", recipe], capsys)[0] == 0
+    code, err = cli(["generate", recipe], capsys)
+    assert code == 2 and "output states of shape (" in err and "not [batch, tokens, hidden]" in err, err
+    assert "Traceback" not in err and not list((tmp_path / "run" / "hidden_states").glob("*.safetensors"))
