@@ -8,7 +8,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from speculators_train import engines
-from speculators_train.architectures import recurrent_layers
 from speculators_train.data.chat import Chat
 from speculators_train.data.splits import load_splits
 from speculators_train.doctor.acceptance import (
@@ -214,11 +213,7 @@ def doctor(
         checks += found
     served = proposal_k(on_disk or {})
     k = loaded.family.draft_tokens(loaded.draft, served or recipe.eval.num_speculative_tokens)
-    if kinds := recurrent_layers(target.config):  # the loop cannot roll such a target back (verify refuses it too)
-        detail = f"the verify loop does not decode a target whose {', '.join(kinds)} layers keep a recurrent state"
-        acceptance = [Check("acceptance by token class", "skip", detail, "`verify --engine vllm` measures it there")]
-    else:
-        acceptance = loop_checks(target, loaded, prompts, max_new, k, where)
+    acceptance = loop_checks(target, loaded, prompts, max_new, k, where)
     found, records = k_checks(recipe, target, loaded, suite, served, options)
     record = loop_record(records)
     del target

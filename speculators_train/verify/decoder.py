@@ -13,8 +13,14 @@ the draft, which crops away its own speculative entries first.
 The target's cache keeps every key of every layer, sliding-window and chunked-attention layers too (a sliding
 cache keeps only the last window, so a rollback by position would lose keys a later query needs); the window or
 chunk is applied by the attention mask instead: transformers builds it from the layer types for a chain, and a
-tree's mask is built here for each layer type. A recurrent or linear-attention layer (Qwen3-Next, Qwen3.5) keeps
-a state cropping cannot roll back: such a target is refused.
+tree's mask is built here for each layer type.
+
+A recurrent (linear-attention) layer (Qwen3-Next, Qwen3.5) keeps one state, not one entry per token, so cropping
+cannot roll it back. Its states are kept before each verify forward; when a draft token is rejected, the
+attention layers are cropped to that point, the states restored, and the accepted tokens run again (one more
+forward of at most K + 1 tokens, only on a rejection). vLLM's hybrid runners keep a state per position instead,
+which needs kernels that write every intermediate state: transformers' write the last one only. Trees, whose nodes
+branch from one state, are refused for such a target.
 """
 
 from __future__ import annotations
@@ -26,6 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import (
+    CacheLayerMixin,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+)
 
 from speculators_train.architectures import layer_types, recurrent_layers, text_config
 from speculators_train.errors import UserError
@@ -68,13 +80,12 @@ def _cut(new: list[int], have: int, max_new_tokens: int, eos: set[int]) -> tuple
     return out, False
 
 
-def refuse_recurrent(config, name: str) -> None:
-    """The verify loop rolls the target's cache back to the accepted tokens; a recurrent state cannot be."""
-    if kinds := recurrent_layers(config):
+def refuse_recurrent_tree(config, name: str, tree: bool) -> None:
+    """A tree's nodes branch from one recurrent state, which the loop keeps one of: chains only for such a target."""
+    if tree and (kinds := recurrent_layers(config)):
         raise UserError(
-            f"target {name}: its {', '.join(kinds)} layers keep a recurrent state that cropping a cache cannot roll "
-            "back to the accepted tokens, so the verify loop does not run it (train and export do; verify --engine "
-            "vllm serves it)"
+            f"target {name}: its {', '.join(kinds)} layers keep one recurrent state, which a tree's branches cannot "
+            "share; verify it with eval.mode: chain"
         )
 
 
@@ -82,8 +93,8 @@ class TargetRunner:
     """The target with a KV cache: forwards that also return the states a draft reads."""
 
     def __init__(self, target: Target) -> None:
-        refuse_recurrent(target.config, repr(target.name_or_path))
         self.target = target
+        self.recurrent = bool(recurrent_layers(target.config))
         self.model = target.model
         self.device = next(self.model.parameters()).device
         text = text_config(target.config)
@@ -94,14 +105,45 @@ class TargetRunner:
             "chunked_attention": ("chunk", getattr(text, "attention_chunk_size", None)),
         }
         self.kinds = sorted(set(kinds))
-        unknown = [kind for kind in self.kinds if kind != "full_attention" and kind not in self.windows]
-        if unknown:
+        known = {"full_attention", *self.windows, *recurrent_layers(target.config)}
+        if unknown := [kind for kind in self.kinds if kind not in known]:
             raise UserError(f"target {target.name_or_path!r}: layer type {unknown[0]!r} is not one the loop can mask")
-        self.cache = DynamicCache()
+        self.cache = self._new_cache()
 
     def reset(self) -> None:
-        # No config: every layer a plain full cache, whatever its attention (see the module docstring).
-        self.cache = DynamicCache()
+        self.cache = self._new_cache()
+
+    def _new_cache(self) -> DynamicCache:
+        """Every attention layer a plain full cache, whatever its window (see the module docstring); a recurrent
+        layer's states live in the linear-attention layers only a cache built from the config has."""
+        cache = DynamicCache(config=self.target.config) if self.recurrent else DynamicCache()
+        cache.layers = [DynamicLayer() if isinstance(x, DynamicSlidingWindowLayer) else x for x in cache.layers]
+        return cache
+
+    @torch.inference_mode()
+    def snapshot(self) -> list[tuple[dict, dict]] | None:
+        """The recurrent layers' conv and recurrent states, to restore on a rejection (None: no such layers)."""
+        if not self.recurrent:
+            return None
+        return [
+            ({i: t.clone() for i, t in layer.conv_states.items() if t is not None},
+             {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None})
+            if isinstance(layer, LinearAttentionCacheLayerMixin) else ({}, {})
+            for layer in self.cache.layers
+        ]  # fmt: skip
+
+    @torch.inference_mode()
+    def rerun(self, length: int, snapshot: list[tuple[dict, dict]], tokens: list[int]) -> None:
+        """Back to the cache of `length` tokens whose recurrent states are `snapshot`, then `tokens` run on it."""
+        drop = self.length - length
+        for layer, (conv, recurrent) in zip(self.cache.layers, snapshot, strict=True):
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                layer.conv_states.update({i: t.clone() for i, t in conv.items()})
+                for i, t in recurrent.items():
+                    layer.recurrent_states[i].copy_(t)
+            if isinstance(layer, CacheLayerMixin) and drop:
+                layer.crop(-drop)
+        self.forward(tokens)
 
     @property
     def length(self) -> int:
@@ -186,6 +228,7 @@ class SpeculativeDecoder:
         num_speculative_tokens: int = 5,
         tree: TreeSpec | None = None,
     ) -> None:
+        refuse_recurrent_tree(target.config, repr(target.name_or_path), tree is not None)
         self.runner = TargetRunner(target)
         self.proposer = proposer
         self.sampling = sampling
@@ -216,7 +259,7 @@ class SpeculativeDecoder:
                 else:
                     tree = self.proposer.propose_tree(self.tree)
                     drafts, q = tree.tokens, None
-            before = runner.length
+            before, snapshot = runner.length, runner.snapshot()
             with _timed(result, "verify_seconds", device):
                 logits, states = runner.forward([pending, *drafts], tree, self.proposer.states)
             path, token = self._accept(drafts, q, logits, tree, generator)
@@ -226,7 +269,11 @@ class SpeculativeDecoder:
             result.tokens += emitted
             if done:
                 break
-            runner.keep(before + 1, [before + 1 + node for node in path])
+            if snapshot is not None and len(path) < len(drafts):
+                with _timed(result, "verify_seconds", device):
+                    runner.rerun(before, snapshot, [pending, *new[:-1]])
+            else:
+                runner.keep(before + 1, [before + 1 + node for node in path])
             kept = None if states is None else states[[0, *(1 + node for node in path)]]
             with _timed(result, "draft_seconds", device):
                 self.proposer.extend(new, kept)

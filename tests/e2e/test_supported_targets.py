@@ -37,11 +37,8 @@ def cell(config, family: str, notes: list[str]) -> str:
     if problems := settings.target_problems(config):
         return "refused " + note(problems[0].split(": ", 1)[1])
     out = ["train, export"]
-    out.append(
-        f"no loop {note('the verify loop refuses recurrent layers (cropping cannot roll them back)')}"
-        if recurrent_layers(config)
-        else "loop"
-    )
+    chains = "chains only: a recurrent layer keeps one state, which a tree's branches cannot share"
+    out.append(f"loop {note(chains)}" if recurrent_layers(config) else "loop")
     engines = []
     if settings.vllm_format is not None:
         engines.append("vllm")

@@ -474,7 +474,8 @@ def test_vllm_serves_our_qwen3_next_style_mtp_head_from_its_mtp_layout_and_accep
     128 only, so the target is the matrix's with those heads, in bfloat16. There a verify pass of K + 1 tokens
     rounds apart from a one-token pass, and the output leaves the target-only one after a dozen tokens (vLLM's
     numerics; the GLM test proves the output in float32): acceptance is measured on the tokens before that. Our
-    loop does not run a recurrent target, so acceptance is vLLM's alone."""
+    loop's output on this target is not vLLM's bf16 one (its own kernels round otherwise), so acceptance is vLLM's
+    alone here; the loop's exactness on a recurrent target is test_targets' chain decode."""
     from dataclasses import replace
 
     from speculators_train.engines.vllm.offline import Engine

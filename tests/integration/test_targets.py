@@ -136,8 +136,6 @@ def test_states_head_and_decoding_are_the_targets_own(built, name):
     torch.testing.assert_close(aux, expected, rtol=1e-5, atol=1e-5)
     config, weights = load_head_weights(cfg)
     torch.testing.assert_close(TargetHead.from_weights(config, weights)(final), out.logits, rtol=1e-5, atol=1e-4)
-    if name in NO_LOOP:  # the loop refuses it (test_recurrent_targets_are_refused_by_the_loop_before_any_work)
-        return
     new = 40  # past the sliding windows (16 wide) of the targets that have them
     with torch.no_grad():
         reference = target.model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
@@ -158,15 +156,11 @@ def test_every_stage_runs_for_every_family(built, generated, tmp_path, capsys, n
     shutil.copytree(generated(name), tmp_path / "run" / "hidden_states")
     for stage in (["train", recipe], ["export", recipe, "--force"], ["verify", recipe, "--out", tmp_path / "verify"]):
         code, err = cli(stage, capsys)
-        if stage[0] == "verify" and name in NO_LOOP:
-            assert code == 2 and "recurrent state" in err and "--engine vllm" in err, err
-            break
         assert code == 0, f"{name} {family}: {stage[0]}: {err}"
-    else:
-        # the draft's record, then the n-gram baseline decoded beside it (eval.baselines); both exact
-        record, free = json.loads((tmp_path / "verify" / "results.json").read_text())
-        assert free["shape"].startswith("ngram") and free["greedy_identical_outputs"] == "1/1", free
-        assert record["greedy_identical_outputs"] == "1/1", record
+    # the draft's record, then the n-gram baseline decoded beside it (eval.baselines); both exact
+    record, free = json.loads((tmp_path / "verify" / "results.json").read_text())
+    assert free["shape"].startswith("ngram") and free["greedy_identical_outputs"] == "1/1", free
+    assert record["greedy_identical_outputs"] == "1/1", record
     # doctor on this export and these runs: every check runs, and a clean pipeline fails none
     from speculators_train.doctor.run import doctor
     from speculators_train.recipe import load_recipe
@@ -181,7 +175,7 @@ REFUSED = {
     ("qwen2.5-vl", "draft_model"): "(Qwen2_5_VLTextConfig) has no causal-LM class",
     ("qwen2.5-vl", "mtp"): "(Qwen2_5_VLTextConfig) has no causal-LM class",
 }
-NO_LOOP = {"qwen3-next"}  # hybrid linear attention: the verify loop refuses it at once
+RECURRENT = {"qwen3-next"}  # hybrid linear attention: the loop verifies chains only
 
 
 def load(built, name: str):
@@ -218,22 +212,23 @@ def decodes_exactly(target, fitted, trees: bool) -> None:
         assert 0 < sum(out.accepted) < 3 * len(out.accepted), "drafts must be both accepted and rejected"
 
 
-# In CI: sliding windows on 5 of 6 layers, chunked attention in a wrapper, MLA (gpt-oss: in the every-family test
-# below); every loop-able target with the whole matrix.
-DECODE_CLASSES = ("gemma3-text", "llama4", "deepseek-v3")
+# In CI: sliding windows on 5 of 6 layers, chunked attention in a wrapper, MLA, recurrent layers (gpt-oss: in the
+# every-family test below); every target with the whole matrix.
+DECODE_CLASSES = ("gemma3-text", "llama4", "deepseek-v3", "qwen3-next")
 
 
 def decoded_targets() -> list[str]:
-    return [a.name for a in MATRIX if a.name not in NO_LOOP and (FULL or a.name in DECODE_CLASSES)]
+    return [a.name for a in MATRIX if FULL or a.name in DECODE_CLASSES]
 
 
 @pytest.mark.parametrize("name", decoded_targets())
 def test_accepted_and_rejected_drafts_leave_the_targets_greedy_output(built, tmp_path, name):
     """An EAGLE-3 draft fitted to the target's reply: chain and tree verification roll the cache back past
-    rejected drafts (sliding-window and chunked layers keep every key; the tree's mask applies their window), and
-    64 tokens (past every 16-wide window here) are the target's own."""
+    rejected drafts (sliding-window and chunked layers keep every key; the tree's mask applies their window;
+    Qwen3-Next's linear-attention states are restored and the accepted tokens run again), and 64 tokens (past
+    every 16-wide window here) are the target's own."""
     target = load(built, name)
-    decodes_exactly(target, fitted_draft(target, tmp_path, "eagle3"), trees=True)
+    decodes_exactly(target, fitted_draft(target, tmp_path, "eagle3"), trees=name not in RECURRENT)
 
 
 # A chain drafter that reads target states and a block drafter; every family's proposer decodes the tiny Llama's
@@ -299,12 +294,13 @@ def test_a_tree_sees_what_each_layer_type_sees(built):
     assert not chunked[0, :32].any() and chunked[0, 32:41].all()  # position 40 is in the chunk 32..47
 
 
-def test_recurrent_targets_are_refused_by_the_loop_before_any_work(built, tmp_path, capsys):
-    """Qwen3-Next's linear-attention layers keep a state cropping cannot roll back: `verify` refuses it before
-    loading anything, and says which engine serves it."""
+def test_a_recurrent_target_is_verified_in_chains_and_refused_trees_before_any_work(built, tmp_path, capsys):
+    """Qwen3-Next keeps one recurrent state per linear-attention layer, which a tree's branches cannot share:
+    `verify` with eval.mode tree refuses it before loading anything and names the chain mode (the chain decodes
+    exactly: test_accepted_and_rejected_drafts_leave_the_targets_greedy_output)."""
     recipe = matrix_recipe(tmp_path, built("qwen3-next"), "eagle3")
-    code, err = cli(["verify", recipe], capsys)
-    assert code == 2 and "linear_attention layers keep a recurrent state" in err and "--engine vllm" in err, err
+    code, err = cli(["verify", recipe, "--set", "eval.mode=tree"], capsys)
+    assert code == 2 and "linear_attention layers keep one recurrent state" in err and "mode: chain" in err, err
 
 
 # vLLM's CPU build per architecture class it runs: MoE with attention sinks and a sliding window (gpt-oss), and a
