@@ -16,7 +16,11 @@ from speculators_train.errors import UserError
 ACTIVATION_KEYS = ("hidden_act", "hidden_activation", "activation_function")
 # Layer kinds whose state a cache cannot roll back by cropping (a recurrent or linear-attention state).
 RECURRENT_LAYERS = frozenset({"linear_attention", "mamba", "conv", "recurrent", "rwkv"})
-PAD_EXACT_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", *RECURRENT_LAYERS})
+# Blocks without a token mixer (Nemotron-H's MLP and MoE layers): nothing cached, nothing to mask.
+MIXERLESS_LAYERS = frozenset({"mlp", "moe"})
+PAD_EXACT_LAYERS = frozenset(
+    {"full_attention", "sliding_attention", "chunked_attention", *RECURRENT_LAYERS, *MIXERLESS_LAYERS}
+)
 
 
 def text_config(config: Any) -> Any:
@@ -46,16 +50,37 @@ def model_class(config: Any, trust_remote_code: bool = False) -> Any:
 
 def text_decoder(model: Any) -> Any:
     """The module holding the decoder layers, embedding and final norm (inside a multimodal wrapper, its language
-    model's)."""
+    model's), whatever it names them (`embed_tokens`/`norm`, Nemotron-H's `embeddings`/`norm_f`)."""
     decoder = model.get_decoder()
     if not hasattr(decoder, "layers"):  # a wrapper's language model that is itself a causal LM (Llama-4)
-        decoder = next((m for m in decoder.modules() if hasattr(m, "layers") and hasattr(m, "embed_tokens")), decoder)
-    if not all(hasattr(decoder, name) for name in ("layers", "embed_tokens")):
+        decoder = next((m for m in decoder.modules() if hasattr(m, "layers") and _embedding(m) is not None), decoder)
+    if not hasattr(decoder, "layers") or _embedding(decoder) is None or final_norm(decoder) is None:
         raise UserError(
-            f"{type(model).__name__}: its decoder {type(decoder).__name__} has no `layers`/`embed_tokens`; only "
-            "decoder-only transformers models (or a multimodal model's text decoder) are supported"
+            f"{type(model).__name__}: its decoder {type(decoder).__name__} has no `layers`, input embedding and "
+            "final norm; only decoder-only transformers models (or a multimodal model's text decoder) are supported"
         )
     return decoder
+
+
+def _embedding(decoder: Any) -> Any:
+    try:
+        return decoder.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def decoder_embedding(decoder: Any) -> Any:
+    """The text decoder's input embedding module, as the decoder itself names it."""
+    return _embedding(decoder)
+
+
+def final_norm(decoder: Any) -> Any:
+    """The text decoder's final norm: `norm` where it has one, else its last direct child that is a norm module
+    (Nemotron-H's `norm_f`), registered after its layers as the forward applies it."""
+    norm = getattr(decoder, "norm", None)
+    if norm is not None:
+        return norm
+    return next((m for m in reversed(list(decoder.children())) if "norm" in type(m).__name__.lower()), None)
 
 
 def activation(config: Any) -> str:

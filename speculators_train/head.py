@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from speculators_train.architectures import model_class, text_config, text_decoder
+from speculators_train.architectures import final_norm, model_class, text_config, text_decoder
 from speculators_train.chunks import chunk_rows, chunked
 from speculators_train.errors import UserError
 from speculators_train.loading import open_tensors, reading
@@ -135,7 +135,7 @@ def norm_offset(norm: nn.Module) -> float:
 
 def head_norm_offset(config) -> float:
     """`norm_offset` of the final norm of a target with this config (built on the meta device, no weights)."""
-    return norm_offset(text_decoder(meta_model(config)).norm)
+    return norm_offset(final_norm(text_decoder(meta_model(config))))
 
 
 class TargetHead(nn.Module):
@@ -161,7 +161,7 @@ class TargetHead(nn.Module):
         """From `load_head_weights`' config and tensors, without the model: the final norm is a module of the
         target's own class (Llama's RMSNorm, Gemma's 1 + w, whatever the architecture uses)."""
         transform = logit_transform(config)  # first: a head this module does not reproduce is refused before any work
-        norm = copy.deepcopy(text_decoder(meta_model(config)).norm).to_empty(device="cpu").float()
+        norm = copy.deepcopy(final_norm(text_decoder(meta_model(config)))).to_empty(device="cpu").float()
         with torch.no_grad():
             for name, param in norm.named_parameters():
                 param.copy_(weights[HEAD_NORM_PREFIX + name])
@@ -265,7 +265,7 @@ def load_head_weights(cfg: TargetConfig, local: Path | None = None):
     model = meta_model(config, cfg.trust_remote_code)
     module_names = {id(module): name for name, module in model.named_modules()}
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-    norm = text_decoder(model).norm
+    norm = final_norm(text_decoder(model))
     wanted = {"embed": f"{module_names[id(embed)]}.weight", "lm_head": f"{module_names[id(lm_head)]}.weight"}
     wanted |= {HEAD_NORM_PREFIX + n: f"{module_names[id(norm)]}.{n}" for n, _ in norm.named_parameters()}
     tied = lm_head.weight is embed.weight

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from speculators_train import architectures
 from speculators_train.architectures import is_composite, model_class, nextn_layer_prefixes, text_config, text_decoder
 from speculators_train.errors import UserError
 from speculators_train.head import TargetHead, logit_transform, meta_model
@@ -135,11 +136,11 @@ class Target:
 
     @property
     def embed_tokens(self) -> nn.Module:
-        return self._decoder.embed_tokens
+        return architectures.decoder_embedding(self._decoder)
 
     @property
     def final_norm(self) -> nn.Module:
-        return self._decoder.norm
+        return architectures.final_norm(self._decoder)
 
     @property
     def lm_head(self) -> nn.Module:

@@ -351,6 +351,22 @@ MATRIX = [
         },
         ("hybrid linear attention",),
     ),
+    Arch(
+        "nemotron-h",
+        "nemotron_h",
+        "chatml",
+        {
+            "layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp"] * 2,
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 32,
+            "ssm_state_size": 16,
+            "n_groups": 2,
+            "chunk_size": 16,
+            "use_mamba_kernels": False,  # the CUDA kernels; transformers' torch path on CPU
+            "mlp_hidden_act": "relu2",
+        },
+        ("hybrid Mamba", "blocks without a token mixer", "embeddings / norm_f"),
+    ),
 ]
 BY_NAME = {arch.name: arch for arch in MATRIX}
 

@@ -39,7 +39,7 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
-from speculators_train.architectures import layer_types, recurrent_layers, text_config
+from speculators_train.architectures import MIXERLESS_LAYERS, layer_types, recurrent_layers, text_config
 from speculators_train.errors import UserError
 from speculators_train.proposal import DraftTree, Proposer, Sampling, TreeSpec
 from speculators_train.target import NO_STATES, StateSpec, Target
@@ -105,7 +105,7 @@ class TargetRunner:
             "chunked_attention": ("chunk", getattr(text, "attention_chunk_size", None)),
         }
         self.kinds = sorted(set(kinds))
-        known = {"full_attention", *self.windows, *recurrent_layers(target.config)}
+        known = {"full_attention", *self.windows, *recurrent_layers(target.config), *MIXERLESS_LAYERS}
         if unknown := [kind for kind in self.kinds if kind not in known]:
             raise UserError(f"target {target.name_or_path!r}: layer type {unknown[0]!r} is not one the loop can mask")
         self.cache = self._new_cache()

@@ -23,14 +23,16 @@ from tests.targets import BY_NAME, MATRIX, build
 
 FAMILIES = ("eagle3", "peagle", "dflash", "medusa", "mlp", "draft_model", "mtp")
 # CI's share of the stage matrix: a target per class (MoE + sliding window + sinks, a multimodal wrapper, MLA, hybrid
-# linear attention) with EAGLE-3, the draft model on the ones whose layers differ in kind, MTP on the MoE target
-# that ships MTP layers, and on gpt-oss a family that reads target states (EAGLE-3) and a block drafter (DFlash).
-# Every family runs each stage on the session's tiny Llama (tests/integration/test_families.py, test_loss_curves.py).
+# linear attention, hybrid Mamba) with EAGLE-3 (DFlash on Nemotron-H), the draft model on the ones whose layers differ
+# in kind, MTP on the MoE target that ships MTP layers, and on gpt-oss a family that reads target states (EAGLE-3) and
+# a block drafter (DFlash). Every family runs each stage on the session's tiny Llama (tests/integration/
+# test_families.py, test_loss_curves.py).
 CI_STAGES = {
     "gpt-oss": ("eagle3", "dflash"),
     "gemma3": ("eagle3",),
     "deepseek-v3": ("eagle3",),
     "qwen3-next": ("eagle3",),
+    "nemotron-h": ("dflash",),
     "llama4": ("draft_model",),
     "qwen2.5-vl": ("draft_model",),
     "glm4-moe": ("mtp",),
@@ -175,7 +177,7 @@ REFUSED = {
     ("qwen2.5-vl", "draft_model"): "(Qwen2_5_VLTextConfig) has no causal-LM class",
     ("qwen2.5-vl", "mtp"): "(Qwen2_5_VLTextConfig) has no causal-LM class",
 }
-RECURRENT = {"qwen3-next"}  # hybrid linear attention: the loop verifies chains only
+RECURRENT = {"qwen3-next", "nemotron-h"}  # hybrid linear attention and Mamba: the loop verifies chains only
 
 
 def load(built, name: str):
@@ -214,7 +216,7 @@ def decodes_exactly(target, fitted, trees: bool) -> None:
 
 # In CI: sliding windows on 5 of 6 layers, chunked attention in a wrapper, MLA, recurrent layers (gpt-oss: in the
 # every-family test below); every target with the whole matrix.
-DECODE_CLASSES = ("gemma3-text", "llama4", "deepseek-v3", "qwen3-next")
+DECODE_CLASSES = ("gemma3-text", "llama4", "deepseek-v3", "qwen3-next", "nemotron-h")
 
 
 def decoded_targets() -> list[str]:

@@ -151,10 +151,11 @@ FAMILY_NAMES = re.compile("|".join([*_REGISTERED, "mlp_speculator", "P-EAGLE", "
 RECIPE_FILE = re.compile(rf"recipes/({'|'.join(FAMILIES)})[\w.-]*\.yaml")
 # An engine's own vocabulary: llama.cpp's GGUF architectures "eagle3" (with the speculative type it must be told for
 # it) and "dflash" (which it detects from the file), vLLM's speculative_config key "draft_model_config" and its model
-# interface `SupportsEagle3` (what a target class must implement to hand a draft its intermediate states).
+# interface `SupportsEagle3` (what a target class must implement to hand a draft its intermediate states); and
+# transformers' layer types "mlp" and "moe" (Nemotron-H's blocks without a token mixer).
 ENGINE_WORDS = re.compile(
     r'"eagle3": "draft-eagle3"|\{"dflash"\}|DFlash and DSpark drafts \(GGUF architecture `dflash`\)'
-    r'|"draft_model_config"|SupportsEagle3|supports_eagle3'
+    r'|"draft_model_config"|SupportsEagle3|supports_eagle3|\{"mlp", "moe"\}'
 )
 
 

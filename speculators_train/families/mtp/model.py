@@ -26,7 +26,7 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.masking_utils import create_causal_mask
 
-from speculators_train.architectures import text_decoder
+from speculators_train.architectures import final_norm, text_decoder
 from speculators_train.families.draft_config import Bounded, checked, draft_config, spelled
 from speculators_train.families.format_common import MAX_LAYERS
 from speculators_train.families.mtp.settings import MAX_STEPS, Style
@@ -109,7 +109,7 @@ class MTPDraft(nn.Module):
         # Gemma-3's rotary tables are per layer kind: the slot's (full attention)
         kinds = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
         self.rope_kind = {"layer_type": text.layer_types[slot]} if kinds else {}
-        self.enorm, self.hnorm, self.shared_norm = (self.norm_like(decoder.norm) for _ in range(3))
+        self.enorm, self.hnorm, self.shared_norm = (self.norm_like(final_norm(decoder)) for _ in range(3))
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.embed_tokens = nn.Embedding(text.vocab_size, hidden)
         self.lm_head = nn.Linear(hidden, text.vocab_size, bias=False)
