@@ -80,8 +80,18 @@ def _cut(new: list[int], have: int, max_new_tokens: int, eos: set[int]) -> tuple
     return out, False
 
 
-def refuse_recurrent_tree(config, name: str, tree: bool) -> None:
-    """A tree's nodes branch from one recurrent state, which the loop keeps one of: chains only for such a target."""
+LOOP_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", *MIXERLESS_LAYERS})
+
+
+def refuse_unlooped(config, name: str, tree: bool) -> None:
+    """Layer types the loop cannot verify (a selection of keys, DeepSeek-V3.2's indexer, has no cache or mask
+    here), and trees on a recurrent target: a tree's nodes branch from one recurrent state, which the loop keeps one
+    of, so such a target verifies chains."""
+    if unknown := sorted(set(layer_types(config)) - LOOP_LAYERS - set(recurrent_layers(config))):
+        raise UserError(
+            f"target {name}: layer type {unknown[0]!r} is not one the verify loop can mask (train and export run; "
+            "verify with --engine vllm where vLLM serves it)"
+        )
     if tree and (kinds := recurrent_layers(config)):
         raise UserError(
             f"target {name}: its {', '.join(kinds)} layers keep one recurrent state, which a tree's branches cannot "
@@ -105,9 +115,7 @@ class TargetRunner:
             "chunked_attention": ("chunk", getattr(text, "attention_chunk_size", None)),
         }
         self.kinds = sorted(set(kinds))
-        known = {"full_attention", *self.windows, *recurrent_layers(target.config), *MIXERLESS_LAYERS}
-        if unknown := [kind for kind in self.kinds if kind not in known]:
-            raise UserError(f"target {target.name_or_path!r}: layer type {unknown[0]!r} is not one the loop can mask")
+        refuse_unlooped(target.config, repr(target.name_or_path), tree=False)
         self.cache = self._new_cache()
 
     def reset(self) -> None:
@@ -228,7 +236,7 @@ class SpeculativeDecoder:
         num_speculative_tokens: int = 5,
         tree: TreeSpec | None = None,
     ) -> None:
-        refuse_recurrent_tree(target.config, repr(target.name_or_path), tree is not None)
+        refuse_unlooped(target.config, repr(target.name_or_path), tree is not None)
         self.runner = TargetRunner(target)
         self.proposer = proposer
         self.sampling = sampling

@@ -33,7 +33,7 @@ from speculators_train.verify.decoder import (
     Generation,
     SpeculativeDecoder,
     decode_plain,
-    refuse_recurrent_tree,
+    refuse_unlooped,
     verify_width,
 )
 from speculators_train.verify.ngram import NgramProposer
@@ -145,13 +145,14 @@ def shape_of(ev: EvalConfig, loaded: LoadedDraft) -> tuple[str, int, TreeSpec | 
 
 
 def check_engine(recipe: Recipe) -> None:
-    """Refuse, before anything is loaded, a run that `eval.engine` cannot make on this target: the loop's trees on
-    a recurrent target, an engine that cannot serve this family's draft on it (or not on this machine)."""
+    """Refuse, before anything is loaded, a run that `eval.engine` cannot make on this target: a layer type the
+    loop cannot verify, its trees on a recurrent target, an engine that cannot serve this family's draft on it (or
+    not on this machine)."""
     config = load_target_config(recipe.target)
     settings = recipe.draft
     engine = recipe.eval.engine
     if engine == "native":
-        refuse_recurrent_tree(config, repr(recipe.target.name_or_path), recipe.eval.mode == "tree")
+        refuse_unlooped(config, repr(recipe.target.name_or_path), recipe.eval.mode == "tree")
         return
     answer = serving(engine, recipe.target, config, settings)
     if reasons := answer.problems + answer.here:

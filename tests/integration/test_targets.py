@@ -439,10 +439,11 @@ def test_records_with_images_reach_the_target_through_its_processor(built, tmp_p
         assert not torch.allclose(sample["hidden_state"][after:], plain.hidden_states[-1][0, after:], atol=1e-3)
 
 
-def test_a_target_that_selects_its_keys_stores_each_samples_states_as_it_computes_them_alone(tmp_path):
+def test_a_target_that_selects_its_keys_stores_each_samples_states_as_it_computes_them_alone(tmp_path, capsys):
     """DeepSeek-V3.2's indexer keeps the top `index_topk` keys by score, many of them tied: in a padded batch the
     row's width changes which tied keys it keeps, so states past `index_topk` drifted from the target's own (0.2 on
-    a 2-layer one). `generate` runs such a target in batches of one length; a Llama-shaped target still pads."""
+    a 2-layer one). `generate` runs such a target in batches of one length; a Llama-shaped target still pads. The
+    verify loop, which has no cache or mask for the selection, refuses it when the recipe loads."""
     from speculators_train.architectures import pads_exactly
     from speculators_train.data.render import Sample
     from speculators_train.hidden_states.pipeline import capture, padded_batches
@@ -453,7 +454,10 @@ def test_a_target_that_selects_its_keys_stores_each_samples_states_as_it_compute
     index = {"index_topk": 4, "index_n_heads": 2, "index_head_dim": 16}
     mla = {"kv_lora_rank": 32, "q_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 32}
     arch = Arch("deepseek-v3.2", "deepseek_v32", "deepseek", {**ROUTED_MOE, **mla, **index, "num_key_value_heads": 4})
-    target = load_target(TargetConfig(name_or_path=str(build(arch, tmp_path / "v32")), aux_layer_ids=AUX))
+    folder = build(arch, tmp_path / "v32")
+    code, err = cli(["verify", matrix_recipe(tmp_path, folder, "eagle3")], capsys)
+    assert code == 2 and "layer type 'indexed_attention' is not one the verify loop can mask" in err, err
+    target = load_target(TargetConfig(name_or_path=str(folder), aux_layer_ids=AUX))
     assert not pads_exactly(target.config) and pads_exactly(config_of(BY_NAME["llama3"]))
     torch.manual_seed(0)
     samples = [Sample(f"s{n}", torch.randint(0, 2000, (n,)), torch.ones(n, dtype=torch.bool)) for n in (30, 19, 19, 12)]
