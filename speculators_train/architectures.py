@@ -18,9 +18,8 @@ ACTIVATION_KEYS = ("hidden_act", "hidden_activation", "activation_function")
 RECURRENT_LAYERS = frozenset({"linear_attention", "mamba", "conv", "recurrent", "rwkv"})
 # Blocks without a token mixer (Nemotron-H's MLP and MoE layers): nothing cached, nothing to mask.
 MIXERLESS_LAYERS = frozenset({"mlp", "moe"})
-PAD_EXACT_LAYERS = frozenset(
-    {"full_attention", "sliding_attention", "chunked_attention", *RECURRENT_LAYERS, *MIXERLESS_LAYERS}
-)
+CAUSAL_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+PAD_EXACT_LAYERS = CAUSAL_ATTENTION_LAYERS | RECURRENT_LAYERS | MIXERLESS_LAYERS
 
 
 def text_config(config: Any) -> Any:
@@ -53,8 +52,10 @@ def text_decoder(model: Any) -> Any:
     model's), whatever it names them (`embed_tokens`/`norm`, Nemotron-H's `embeddings`/`norm_f`)."""
     decoder = model.get_decoder()
     if not hasattr(decoder, "layers"):  # a wrapper's language model that is itself a causal LM (Llama-4)
-        decoder = next((m for m in decoder.modules() if hasattr(m, "layers") and _embedding(m) is not None), decoder)
-    if not hasattr(decoder, "layers") or _embedding(decoder) is None or final_norm(decoder) is None:
+        decoder = next(
+            (m for m in decoder.modules() if hasattr(m, "layers") and decoder_embedding(m) is not None), decoder
+        )
+    if not hasattr(decoder, "layers") or decoder_embedding(decoder) is None or final_norm(decoder) is None:
         raise UserError(
             f"{type(model).__name__}: its decoder {type(decoder).__name__} has no `layers`, input embedding and "
             "final norm; only decoder-only transformers models (or a multimodal model's text decoder) are supported"
@@ -62,16 +63,12 @@ def text_decoder(model: Any) -> Any:
     return decoder
 
 
-def _embedding(decoder: Any) -> Any:
+def decoder_embedding(decoder: Any) -> Any:
+    """The text decoder's input embedding module, as the decoder itself names it (None: it has none)."""
     try:
         return decoder.get_input_embeddings()
     except (AttributeError, NotImplementedError):
         return None
-
-
-def decoder_embedding(decoder: Any) -> Any:
-    """The text decoder's input embedding module, as the decoder itself names it."""
-    return _embedding(decoder)
 
 
 def final_norm(decoder: Any) -> Any:

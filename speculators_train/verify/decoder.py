@@ -39,7 +39,13 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
-from speculators_train.architectures import MIXERLESS_LAYERS, layer_types, recurrent_layers, text_config
+from speculators_train.architectures import (
+    CAUSAL_ATTENTION_LAYERS,
+    MIXERLESS_LAYERS,
+    layer_types,
+    recurrent_layers,
+    text_config,
+)
 from speculators_train.errors import UserError
 from speculators_train.proposal import DraftTree, Proposer, Sampling, TreeSpec
 from speculators_train.target import NO_STATES, StateSpec, Target
@@ -80,7 +86,7 @@ def _cut(new: list[int], have: int, max_new_tokens: int, eos: set[int]) -> tuple
     return out, False
 
 
-LOOP_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", *MIXERLESS_LAYERS})
+LOOP_LAYERS = CAUSAL_ATTENTION_LAYERS | MIXERLESS_LAYERS
 
 
 def refuse_unlooped(config, name: str, tree: bool) -> None:
