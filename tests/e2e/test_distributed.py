@@ -1,6 +1,7 @@
 """Beyond one process, with the real target and its stored states: FSDP2 through accelerate's plugin on two CPU
 ranks (gloo) gives one rank's losses, a sharded checkpoint that survives kill -9 and resumes on the same curve, and
-the same export; two "nodes" (two torchrun launchers rendezvousing on 127.0.0.1) generate and train as one node."""
+the same export; two "nodes" (two torchrun launchers rendezvousing on 127.0.0.1) generate and train as one node;
+two ranks generate what one rank does."""
 
 import json
 import os
@@ -14,8 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from speculators_train.hidden_states.shards import HiddenStateShards, read_manifest, validate
 from speculators_train.layout import shard_name
-from tests.conftest import REPO
+from speculators_train.recipe import load_recipe
+from tests.conftest import REPO, SHAREGPT, make_recipe
 from tests.e2e.test_train import (  # noqa: F401 (single_rank_losses and single_rank_run: fixtures)
     EAGLE3,
     TRAIN,
@@ -202,3 +205,24 @@ def test_two_nodes_generate_and_train_as_one_node_of_two_ranks(tmp_path, states)
     assert got.keys() == expected.keys() and len(got) >= 4
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-6), f"step {step}"
+
+
+def test_two_rank_generation_matches_one_rank(states, tmp_path):
+    """torchrun's two ranks store the states one rank stores (the session's), each rank its own shards."""
+    recipe, manifest = load_recipe(states.parent.parent / "recipe.yaml"), read_manifest(states)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    two = make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "speculators_train"]
+    result = subprocess.run([*torchrun, "generate", str(two)], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    directory = tmp_path / "run" / "hidden_states"
+    assert validate(directory) == []
+    files = {p.name for p in (directory / "train").glob("*.safetensors")}
+    assert any("-r000-" in f for f in files) and any("-r001-" in f for f in files)
+    one = {s["id"]: s for s in HiddenStateShards(recipe.hidden_states_dir, "train")}
+    both = {s["id"]: s for s in HiddenStateShards(directory, "train")}
+    assert both.keys() == one.keys()
+    for key, sample in both.items():
+        torch.testing.assert_close(sample["aux_hidden_states"], one[key]["aux_hidden_states"], rtol=1e-4, atol=1e-4)
+    two_manifest = json.loads((directory / "manifest.json").read_text())
+    assert two_manifest["splits"]["train"]["loss_tokens"] == manifest["splits"]["train"]["loss_tokens"]

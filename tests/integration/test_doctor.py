@@ -249,41 +249,6 @@ def test_doctors_k_is_within_one_step_of_a_brute_force_sweep_of_the_loop(target,
     assert check.status == "pass", check.detail
 
 
-def test_llamacpp_reads_a_gguf_converted_from_an_edited_config_otherwise_and_doctor_names_the_key(
-    fitted, target, tmp_path
-):
-    """The GGUF's metadata as llama.cpp's `gguf` package reads it, against a conversion of the checkpoint now: a
-    clean GGUF export passes; one converted after its aux layer ids were shifted names llama.cpp's key."""
-    from speculators_train.doctor.run import serve_checks
-    from speculators_train.engines.llamacpp.converter import OUTTYPES, convert
-    from speculators_train.export.run import local_config_dir
-    from speculators_train.families.drafts import load_draft
-    from speculators_train.origin import resolve_origin
-
-    recipe, checkpoint, _, _ = fitted("eagle3")
-    out = export(recipe, checkpoint, "gguf", tmp_path / "gguf", "float32").path
-
-    def gguf_check():
-        on_disk = json.loads((out / "config.json").read_text())
-        checks = serve_checks(recipe, load_draft(checkpoint, target.num_layers), out, on_disk, "llama.cpp")
-        return {c.name: c for c in checks}["llama.cpp reads the GGUF as trained"]
-
-    assert gguf_check().status == "pass", gguf_check()
-    trained = json.loads((out / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
-
-    def shift(config):
-        config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
-
-    edit_config(shift)(out)
-    target_dir = local_config_dir(resolve_origin(recipe.target)[0], recipe.target.revision)
-    convert(out, out / "draft.gguf", OUTTYPES["float32"], target_dir=target_dir)
-    check = gguf_check()
-    assert check.status == "fail" and "export again" in check.fix
-    assert (
-        check.detail == f"eagle3.target_layers: trained {trained!r}, llama.cpp will read {[i + 1 for i in trained]!r}"
-    )
-
-
 def test_sglang_rules_name_aux_ids_written_without_its_shift_and_a_tied_head(fitted, target, tmp_path):
     """SGLang captures `val + 1` for each id of `eagle_config` and takes the embedding as lm_head when the config
     ties them: an export with our ids there, or tied, is named with what SGLang will use."""

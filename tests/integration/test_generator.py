@@ -3,12 +3,7 @@
 import dataclasses
 import errno
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +21,7 @@ from speculators_train.hidden_states.shards import TENSORS, HiddenStateShards, r
 from speculators_train.packed import available
 from speculators_train.recipe import load_recipe
 from speculators_train.training.batches import StoredBatches
-from tests.children import CLI, Child, run_python
+from tests.children import CLI, run_python
 from tests.conftest import REPO, SHAREGPT, make_recipe
 from tests.faults import clean_error
 from tests.unit.test_data_inputs import empty_replies
@@ -250,30 +245,6 @@ def test_a_family_that_reads_no_target_state_gets_tokens_and_masks_alone(generat
     assert [s["input_ids"].tolist() for s in alone] == [s["input_ids"].tolist() for s in full]
 
 
-def test_kill_minus_9_then_rerun_gives_the_same_shards(tmp_path):
-    sources = [{"name": "sharegpt", "path": SHAREGPT, "max_records": 32}]
-    gen = {"storage_dtype": "float32", "samples_per_shard": 4, "max_tokens_per_batch": 128}
-    killed = make_recipe(tmp_path / "killed", sources, generation=gen)
-    clean = make_recipe(tmp_path / "clean", sources, generation=gen)
-    progress = tmp_path / "killed" / "run" / "hidden_states" / "progress" / "rank000.json"
-    proc = Child(CLI, ["generate", killed], cwd=REPO)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if progress.is_file() and len(json.loads(progress.read_text())["shards"]["train"]) >= 2:
-            break
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (tmp_path / "killed" / "run" / "hidden_states" / "manifest.json").exists(), "run ended before the kill"
-    run_python(CLI, ["generate", killed], cwd=REPO).check_returncode()
-    run_python(CLI, ["generate", clean], cwd=REPO).check_returncode()
-    killed_dir = tmp_path / "killed" / "run" / "hidden_states"
-    assert_same_shards(killed_dir, tmp_path / "clean" / "run" / "hidden_states")
-    assert validate(killed_dir) == []
-    ids = [i for s in HiddenStateShards(killed_dir, "train") for i in [s["id"]]]
-    assert len(ids) == len(set(ids)), "no record may appear twice"
-
-
 def test_crash_between_shard_write_and_progress_update_is_redone(sharegpt_recipe, target):
     recipe = load_recipe(sharegpt_recipe)
     generate(recipe)
@@ -319,26 +290,6 @@ def test_cli_reports_bad_recipe_without_traceback(tmp_path):
     assert result.returncode == 2
     assert "generation.samples_per_shrad: unknown key (did you mean samples_per_shard?)" in result.stderr
     assert "Traceback" not in result.stderr
-
-
-def test_two_rank_generation_matches_one_rank(generated, tmp_path):
-    recipe, manifest = generated
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    two = make_recipe(tmp_path, [{"name": "sharegpt", "path": SHAREGPT, "max_records": 20}])
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "speculators_train"]
-    result = subprocess.run([*torchrun, "generate", str(two)], cwd=REPO, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    directory = tmp_path / "run" / "hidden_states"
-    assert validate(directory) == []
-    files = {p.name for p in (directory / "train").glob("*.safetensors")}
-    assert any("-r000-" in f for f in files) and any("-r001-" in f for f in files)
-    one = {s["id"]: s for s in HiddenStateShards(recipe.hidden_states_dir, "train")}
-    both = {s["id"]: s for s in HiddenStateShards(directory, "train")}
-    assert both.keys() == one.keys()
-    for key, sample in both.items():
-        torch.testing.assert_close(sample["aux_hidden_states"], one[key]["aux_hidden_states"], rtol=1e-4, atol=1e-4)
-    two_manifest = json.loads((directory / "manifest.json").read_text())
-    assert two_manifest["splits"]["train"]["loss_tokens"] == manifest["splits"]["train"]["loss_tokens"]
 
 
 def test_damaged_manifest_and_progress_files_name_themselves(tmp_path):
