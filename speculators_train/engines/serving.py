@@ -18,7 +18,7 @@ from speculators_train.files import atomic_write_json
 from speculators_train.loading import read_json
 from speculators_train.origin import cache_root
 
-FACTS_LAYOUT = 2  # the shape of a cached answer: a new shape is a new cache file
+FACTS_LAYOUT = 3  # the shape of a cached answer: a new shape is a new cache file
 
 
 @dataclass

@@ -53,7 +53,7 @@ def test_llamacpp_refuses_a_state_reading_draft_on_a_target_that_exports_no_laye
 def vllm_answers():
     """vLLM asked once for every architecture below (one child process; answers cached per vLLM version)."""
     archs = ["LlamaForCausalLM", "Gemma2ForCausalLM", "DeepseekV3ForCausalLM", "Qwen2_5_VLForConditionalGeneration"]
-    archs += ["Glm4MoeForCausalLM", "Qwen3NextForCausalLM"]
+    archs += ["Glm4MoeForCausalLM", "Qwen3NextForCausalLM", "PhimoeForCausalLM", "HeliumForCausalLM"]
     return vllm.vllm_facts(archs)
 
 
@@ -65,6 +65,20 @@ def test_vllm_needs_supports_eagle3_for_a_draft_that_reads_target_states(vllm_an
     assert answer.problems and "SupportsEagle3" in answer.problems[0]
     assert not vllm.vllm_serving(gemma2, reads_target_states=False, own_attention=False).problems
     assert vllm.vllm_serving(config("llama", "LlamaForCausalLM"), True, True).runs_here
+
+
+def test_vllm_refuses_a_target_whose_linear_forward_its_transformers_backend_drops(vllm_answers):
+    """vLLM 0.32 registers no `PhimoeForCausalLM` (transformers' name; vLLM's class is `PhiMoEForCausalLM`), so it
+    runs PhiMoE on its Transformers backend, which swaps the router (an nn.Linear with a forward of its own) for a
+    plain linear: measured by hand on a tiny PhiMoE, vLLM loads it and fails at the first forward unpacking the
+    router's answer. Helium, on the same backend with plain linears, is not refused."""
+    phimoe = config("phimoe", "PhimoeForCausalLM")
+    for reads, own in ((True, True), (False, False)):  # the target itself: every family
+        answer = vllm.vllm_serving(phimoe, reads_target_states=reads, own_attention=own)
+        assert answer.problems and "PhimoeTopKRouter would lose the forward of its own" in answer.problems[0]
+    helium = vllm_answers["HeliumForCausalLM"]
+    assert not helium["registered"] and helium["lost_forwards"] == []
+    assert not vllm.vllm_serving(config("helium", "HeliumForCausalLM"), True, True).problems
 
 
 def test_vllm_on_cpu_cannot_pair_an_mla_target_with_a_draft_of_its_own_attention(vllm_answers):

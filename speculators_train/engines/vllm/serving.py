@@ -1,6 +1,8 @@
 """Whether vLLM serves a family's draft on a target, asked of vLLM itself: its model registry names the class it
 runs a target as (an architecture it does not register runs on its Transformers backend), and a draft that reads
-the target's intermediate states needs that class to implement `SupportsEagle3`. On its CPU build, an MLA target
+the target's intermediate states needs that class to implement `SupportsEagle3`. The Transformers backend swaps each
+`nn.Linear` for a linear of vLLM's, so a target whose modeling overrides a linear's forward (PhiMoE's router) runs
+without it. On its CPU build, an MLA target
 (DeepSeek-V3, Kimi) cannot share a KV cache with a draft's own attention layers (their backends agree on no block
 size)."""
 
@@ -24,7 +26,9 @@ VLLM_DRAFT_ACTIVATIONS = ("silu",)
 # Run in a child process: importing vLLM takes seconds and changes process-wide settings. argv: architectures.
 _VLLM_PROBE = r"""
 import json, sys
-from transformers import PretrainedConfig
+import torch, transformers
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto import modeling_auto
 from vllm.config.speculative import SpeculativeConfig
 from vllm.model_executor.models.interfaces import supports_eagle3
@@ -32,13 +36,17 @@ from vllm.model_executor.models.registry import ModelRegistry
 from vllm.platforms import current_platform
 
 
+def model_type_of(arch):
+    auto = modeling_auto
+    names = {**auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, **auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES}
+    return next((t for t, name in names.items() if name == arch), None)
+
+
 def nextn_class(arch):
     # The class vLLM's MTP method drafts with for a target of this architecture: vLLM rewrites the target's config to
     # its MTP model in `hf_config_override`; an architecture it leaves as it is has none.
     # (its rules read the model type too, and an empty one matches a test written `in ("pangu_ultra_moe")`)
-    auto = modeling_auto
-    names = {**auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, **auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES}
-    model_type = next((t for t, name in names.items() if name == arch), None)
+    model_type = model_type_of(arch)
     if model_type is None:
         return None
     config = PretrainedConfig(architectures=[arch], num_nextn_predict_layers=1)
@@ -50,11 +58,28 @@ def nextn_class(arch):
     return drafted if drafted != arch and drafted in ModelRegistry.models else None
 
 
+def lost_forwards(arch):
+    # The linear classes whose own forward vLLM's Transformers backend drops: its `recursive_replace` swaps every
+    # `nn.Linear` child for a linear of its own. (A gate its MoE fuser takes over is swapped too and no longer called;
+    # no class vLLM leaves to that backend has one, so such a target would be refused, the safe side.) Built on the
+    # meta device from the default config: the module classes are the modeling code's, not the config's values.
+    model_type, cls = model_type_of(arch), getattr(transformers, arch, None)
+    if model_type is None or cls is None:
+        return []
+    try:
+        with torch.device("meta"):
+            model = cls._from_config(AutoConfig.for_model(model_type))
+    except Exception:
+        return []
+    own = lambda m: isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward
+    return sorted({type(m).__name__ for m in model.modules() if own(m)})
+
+
 out = {"cpu": current_platform.is_cpu(), "classes": {}}
 for arch in sys.argv[1:]:
     entry = ModelRegistry.models.get(arch)
     if entry is None:
-        out["classes"][arch] = {"registered": False, "nextn_class": None}
+        out["classes"][arch] = {"registered": False, "nextn_class": None, "lost_forwards": lost_forwards(arch)}
         continue
     try:
         cls = entry.load_model_cls()
@@ -109,6 +134,12 @@ def vllm_serving(
     facts = known[architecture]
     if "error" in facts:
         out.here.append(f"vLLM cannot load its {architecture} class here ({facts['error'].splitlines()[-1]})")
+    elif not facts["registered"] and facts["lost_forwards"]:
+        out.problems.append(
+            f"vLLM runs {architecture} on its Transformers backend, which replaces each nn.Linear with a linear of "
+            f"its own: {', '.join(facts['lost_forwards'])} would lose the forward of its own (vLLM fails at the "
+            "first forward or computes another model)"
+        )
     elif facts["registered"] and reads_target_states and not facts["states"]:
         out.problems.append(
             f"vLLM runs {architecture} as {facts['name']}, which does not implement SupportsEagle3: it cannot hand "
