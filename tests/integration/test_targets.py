@@ -148,7 +148,7 @@ def test_states_head_and_decoding_are_the_targets_own(built, name):
 def test_every_stage_runs_for_every_family(built, generated, tmp_path, capsys, name, family):
     """data, train, export and verify in the CLI (generate: once per target, above), or a refusal naming the
     reason before any work; verify's greedy output is the target's own; doctor then finds nothing wrong."""
-    recipe = matrix_recipe(tmp_path, built(name), family)
+    recipe = matrix_recipe(tmp_path, built(name), family, DRAFT.get((name, family)))
     refusal = REFUSED.get((name, family))
     code, err = cli(["data", recipe], capsys)
     if refusal is not None:
@@ -176,8 +176,33 @@ def test_every_stage_runs_for_every_family(built, generated, tmp_path, capsys, n
 REFUSED = {
     ("qwen2.5-vl", "draft_model"): "(Qwen2_5_VLTextConfig) has no causal-LM class",
     ("qwen2.5-vl", "mtp"): "(Qwen2_5_VLTextConfig) has no causal-LM class",
+    ("nemotron-h", "mtp"): "NemotronHBlock at that slot and its decoder have no self_attn or rotary_emb",
 }
 RECURRENT = {"qwen3-next", "nemotron-h"}  # hybrid linear attention and Mamba: the loop verifies chains only
+# A draft model of a hybrid target's layers takes the ones without a recurrent state (full attention, and an MLP
+# block on Nemotron-H).
+DRAFT = {("qwen3-next", "draft_model"): {"layers": [3, 7]}, ("nemotron-h", "draft_model"): {"layers": [1, 2]}}
+
+
+@pytest.mark.parametrize(
+    ("name", "draft", "refusal"),
+    [
+        ("qwen3-next", {"layers": [0, 3]}, "target layer 0 is linear_attention, whose recurrent state a draft cannot"),
+        ("nemotron-h", {"start": "fresh"}, "draft.layers among [1, 2, 3, 5, 6, 7]"),
+        ("nemotron-h", {"family": "mtp"}, REFUSED[("nemotron-h", "mtp")]),
+    ],
+)
+def test_a_draft_that_would_keep_a_recurrent_state_or_lacks_attention_is_refused_at_load(
+    built, tmp_path, capsys, name, draft, refusal
+):
+    """A draft LM drops rejected tokens from its cache, which a recurrent layer's state cannot do: a draft model of
+    a hybrid target's recurrent layers is refused before any work, naming the layers it can take (those run every
+    stage: test_every_stage_runs_for_every_family). An MTP head is an attention layer of the target's class: a
+    hybrid Mamba block has none."""
+    draft = dict(draft)
+    family = draft.pop("family", "draft_model")
+    code, err = cli(["data", matrix_recipe(tmp_path, built(name), family, draft)], capsys)
+    assert code == 2 and refusal in err, err
 
 
 def load(built, name: str):

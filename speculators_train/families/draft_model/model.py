@@ -19,9 +19,11 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from speculators_train.errors import UserError
 from speculators_train.families.draft_config import Bounded, Vocab, checked, draft_config
 from speculators_train.families.eagle.model import check_layer
 from speculators_train.families.format_common import FILE_KEYS, MAX_HIDDEN, MAX_LAYERS, shown
+from speculators_train.files import finite
 
 MAX_DRAFT_LAYERS = 256  # a draft deeper than this is no draft
 
@@ -57,7 +59,17 @@ def lm_values(values: dict[str, Any]) -> dict[str, Any]:
 
 def model_config(config: Any) -> dict[str, Any]:
     """The config dict of a draft LM shaped as `config` (a causal LM's transformers config), untied."""
-    return {**lm_values(config.to_dict()), "model_type": config.model_type, "tie_word_embeddings": False}
+    # the layer count written out: a config that derives it from its per-layer list (Nemotron-H) leaves it out of
+    # its dict
+    values = {**lm_values(config.to_dict()), "model_type": config.model_type}
+    if odd := [k for k, v in values.items() if finite(v) != v]:
+        # strict JSON holds no infinity: a value the class defaults to (Nemotron-H's `time_step_limit`, (0, inf)) is
+        # left for the class to restore; any other cannot be written
+        defaults = type(config)().to_dict()
+        if kept := [k for k in odd if values[k] != defaults.get(k)]:
+            raise UserError(f"the draft's config sets {kept[0]} to {values[kept[0]]}, which JSON cannot hold")
+        values = {k: v for k, v in values.items() if k not in odd}
+    return {**values, "num_hidden_layers": config.num_hidden_layers, "tie_word_embeddings": False}
 
 
 def causal_lm_type(model_type: Any) -> str:

@@ -45,7 +45,27 @@ class Settings(FamilySettings):
             ]
         if self.start == "target_layers" and max(self.layers) >= text.num_hidden_layers:
             return [f"draft.layers {self.layers}: the target has {text.num_hidden_layers} layers"]
-        return []
+        return self._recurrent_problems(target_config)
+
+    def _recurrent_problems(self, target_config: Any) -> list[str]:
+        """A draft LM proposes a token at a time and drops its rejected ones from its cache; a recurrent layer's state
+        cannot be cut back that way, so the draft takes the target's other layers only."""
+        from speculators_train.architectures import RECURRENT_LAYERS, layer_types
+
+        kinds = layer_types(target_config)
+        others = [i for i, kind in enumerate(kinds) if kind not in RECURRENT_LAYERS]
+        chosen = self.layers if self.start == "target_layers" else []
+        if self.start == "fresh":  # the target's pattern of kinds, cycled over the draft's depth
+            depth = self.fresh_config.get("num_hidden_layers", len(kinds))
+            chosen = sorted({i % len(kinds) for i in range(depth if isinstance(depth, int) else len(kinds))})
+        recurrent = [i for i in chosen if kinds[i] in RECURRENT_LAYERS]
+        if not recurrent:
+            return []
+        where = f"draft.layers {self.layers}" if self.start == "target_layers" else "draft.start 'fresh'"
+        return [
+            f"{where}: target layer {recurrent[0]} is {kinds[recurrent[0]]}, whose recurrent state a draft cannot cut "
+            f"back to its accepted tokens; take draft.start 'target_layers' with draft.layers among {others}"
+        ]
 
     def recipe_problems(self, recipe: Any) -> list[str]:
         problems = []

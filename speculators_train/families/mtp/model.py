@@ -92,6 +92,21 @@ def mtp_layer_config(text: Any) -> Any:
     return config
 
 
+def block_problem(text: Any) -> str | None:
+    """Why the layer the target's class builds at the MTP slot cannot be the head's block (None: it can): the head
+    runs it with self-attention over a cache of its own and the decoder's rotary positions (a hybrid Mamba block,
+    Nemotron-H's, has a `mixer` and no rotary embedding)."""
+    decoder = text_decoder(meta_model(mtp_layer_config(text)))
+    block = decoder.layers[-1]
+    missing = [name for name, owner in (("self_attn", block), ("rotary_emb", decoder)) if not hasattr(owner, name)]
+    if not missing:
+        return None
+    return (
+        f"draft.family 'mtp': the head is one decoder layer of the target's class with self-attention and rotary "
+        f"positions; the target's {type(block).__name__} at that slot and its decoder have no {' or '.join(missing)}"
+    )
+
+
 class MTPDraft(nn.Module):
     def __init__(self, config: MTPConfig) -> None:
         super().__init__()

@@ -50,7 +50,9 @@ class Settings(FamilySettings):
                 f"draft.family 'mtp': the target's text decoder ({type(text).__name__}) has no causal-LM class in "
                 "transformers, so its decoder layer cannot be built as the MTP head"
             ]
-        return []
+        from speculators_train.families.mtp.model import block_problem
+
+        return [problem] if (problem := block_problem(text)) else []
 
     def recipe_problems(self, recipe: Any) -> list[str]:
         problems = []
