@@ -2,9 +2,8 @@
 runs a target as (an architecture it does not register runs on its Transformers backend), and a draft that reads
 the target's intermediate states needs that class to implement `SupportsEagle3`. The Transformers backend swaps each
 `nn.Linear` for a linear of vLLM's, so a target whose modeling overrides a linear's forward (PhiMoE's router) runs
-without it. On its CPU build, an MLA target
-(DeepSeek-V3, Kimi) cannot share a KV cache with a draft's own attention layers (their backends agree on no block
-size)."""
+without it. On its CPU build, an MLA target (DeepSeek-V3, Kimi) cannot share a KV cache with a draft's own attention
+layers (their backends agree on no block size)."""
 
 from __future__ import annotations
 

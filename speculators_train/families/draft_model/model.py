@@ -59,8 +59,6 @@ def lm_values(values: dict[str, Any]) -> dict[str, Any]:
 
 def model_config(config: Any) -> dict[str, Any]:
     """The config dict of a draft LM shaped as `config` (a causal LM's transformers config), untied."""
-    # the layer count written out: a config that derives it from its per-layer list (Nemotron-H) leaves it out of
-    # its dict
     values = {**lm_values(config.to_dict()), "model_type": config.model_type}
     if odd := [k for k, v in values.items() if finite(v) != v]:
         # strict JSON holds no infinity: a value the class defaults to (Nemotron-H's `time_step_limit`, (0, inf)) is
@@ -69,6 +67,8 @@ def model_config(config: Any) -> dict[str, Any]:
         if kept := [k for k in odd if values[k] != defaults.get(k)]:
             raise UserError(f"the draft's config sets {kept[0]} to {values[kept[0]]}, which JSON cannot hold")
         values = {k: v for k, v in values.items() if k not in odd}
+    # the layer count written out: a config that derives it from its per-layer list (Nemotron-H) leaves it out of
+    # its dict
     return {**values, "num_hidden_layers": config.num_hidden_layers, "tie_word_embeddings": False}
 
 

@@ -62,9 +62,14 @@ class Settings(FamilySettings):
         if not recurrent:
             return []
         where = f"draft.layers {self.layers}" if self.start == "target_layers" else "draft.start 'fresh'"
+        fix = (
+            f"take draft.start 'target_layers' with draft.layers among {others}"
+            if others
+            else "set draft.start to a small causal LM with the target's tokenizer"
+        )
         return [
             f"{where}: target layer {recurrent[0]} is {kinds[recurrent[0]]}, whose recurrent state a draft cannot cut "
-            f"back to its accepted tokens; take draft.start 'target_layers' with draft.layers among {others}"
+            f"back to its accepted tokens; {fix}"
         ]
 
     def recipe_problems(self, recipe: Any) -> list[str]:

@@ -96,7 +96,10 @@ def block_problem(text: Any) -> str | None:
     """Why the layer the target's class builds at the MTP slot cannot be the head's block (None: it can): the head
     runs it with self-attention over a cache of its own and the decoder's rotary positions (a hybrid Mamba block,
     Nemotron-H's, has a `mixer` and no rotary embedding)."""
-    decoder = text_decoder(meta_model(mtp_layer_config(text)))
+    try:
+        decoder = text_decoder(meta_model(mtp_layer_config(text)))
+    except Exception:  # a decoder this cannot build: building the head says why, in its own words
+        return None
     block = decoder.layers[-1]
     missing = [name for name, owner in (("self_attn", block), ("rotary_emb", decoder)) if not hasattr(owner, name)]
     if not missing:
