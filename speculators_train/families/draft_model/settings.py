@@ -55,9 +55,8 @@ class Settings(FamilySettings):
         kinds = layer_types(target_config)
         others = [i for i, kind in enumerate(kinds) if kind not in RECURRENT_LAYERS]
         chosen = self.layers if self.start == "target_layers" else []
-        if self.start == "fresh":  # the target's pattern of kinds, cycled over the draft's depth
-            depth = self.fresh_config.get("num_hidden_layers", len(kinds))
-            chosen = sorted({i % len(kinds) for i in range(depth if isinstance(depth, int) else len(kinds))})
+        if self.start == "fresh":  # the target's pattern of kinds cycled over the draft's depth: its first layers
+            chosen = range(min(int(self.fresh_config.get("num_hidden_layers", len(kinds))), len(kinds)))
         recurrent = [i for i in chosen if kinds[i] in RECURRENT_LAYERS]
         if not recurrent:
             return []
